@@ -1,0 +1,95 @@
+"""Launch plumbing shared by the ops: PDL, clocks, grid caps, warm-up, input checks."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ._clock import clock_page
+from .errors import PeerTimeout
+from .workspace import LoopbackGroup, Workspace, interpret_mode
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, not the interpreter, not disabled."""
+    if interpret_mode() or device.type != "cuda" or os.environ.get("K3TAIL_DISABLE_PDL", "0") not in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def clock_arg(ws: Workspace) -> torch.Tensor:
+    """The clock pointer argument: the clock page under the interpreter (else unused)."""
+    return clock_page() if interpret_mode() else ws.ctrl
+
+
+def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
+    """Most programs one rank may launch so that the grids of all ranks stay co-resident."""
+    if interpret_mode() or device.type != "cuda":
+        return 1 << 30
+    if isinstance(group, LoopbackGroup):
+        return group.world.max_ctas_per_rank
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms * max(1, 16 // num_warps)
+
+
+_warm: set = set()
+
+
+def launch(kernel, grid, *args, pdl: bool = False, num_warps: int = 4, **kwargs):
+    """Launch ``kernel``; on CUDA compile and load its variant first (never while a peer spins).
+
+    Loading a module while another virtual rank's kernel spins can hang the process
+    (TRITON_NOTES 2), so every variant is compiled and loaded before its first launch.
+    """
+    if not interpret_mode():
+        key = (id(kernel), grid, tuple(type(a).__name__ if not isinstance(a, torch.Tensor)
+                                       else (a.dtype, a.data_ptr() % 16 == 0) for a in args),
+               tuple(sorted(kwargs.items())), num_warps, pdl)
+        if key not in _warm:
+            compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps, **kwargs)
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                init()
+            _warm.add(key)
+        if pdl:
+            return kernel[grid](*args, num_warps=num_warps, launch_pdl=True, **kwargs)
+    return kernel[grid](*args, num_warps=num_warps, **kwargs)
+
+
+def after_launch(ws: Workspace, op: str, timeout_s: float) -> None:
+    """Under the interpreter the launch has finished: raise if a wait timed out."""
+    if interpret_mode() and ws.poisoned():
+        raise PeerTimeout(op, ws.rank, ws.world_size, timeout_s, f"group {ws.group_name}")
+
+
+def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torch.device] = None,
+                 ndim: Optional[int] = None, shape=None, contiguous: bool = True) -> torch.Tensor:
+    """Validate an input; raise ValueError naming the argument."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have one of dtypes {list(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                raise ValueError(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
+                                 f"got {tuple(t.shape)} (dim {i})")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+    if t.device.type == "cuda" and t.numel() and t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must be 16-byte aligned (got a view at offset {t.data_ptr() % 16})")
+    return t
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

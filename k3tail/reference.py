@@ -1,0 +1,120 @@
+"""fp64 references the tests and the demo compare against (pure torch, no Triton).
+
+Every function takes per-rank inputs as lists indexed by rank (or single tensors where
+the quantity is replicated) and returns float64 tensors unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float64)
+
+
+def all_reduce(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Exact (fp64) sum over ranks."""
+    acc = torch.zeros_like(f64(xs[0]))
+    for x in xs:
+        acc += f64(x)
+    return acc
+
+
+def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Size of one unit in the last place of ``dtype`` at each element of ``ref`` (fp64)."""
+    info = torch.finfo(dtype)
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
+    a = ref.abs().clamp_min(info.tiny)
+    e = torch.floor(torch.log2(a))
+    return torch.pow(2.0, e - mant)
+
+
+def ulp_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|out - ref| in ulps of out's dtype at ref (elementwise, fp64)."""
+    return (f64(out) - ref).abs() / ulp(ref, out.dtype)
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Max abs error, max ulp error, and the signed bias (mean of out - ref) and its ratio to mean |ref|."""
+    d = f64(out) - ref
+    u = ulp_error(out, ref)
+    return {
+        "max_abs": float(d.abs().max()) if d.numel() else 0.0,
+        "max_ulp": float(u.max()) if u.numel() else 0.0,
+        "frac_le_1ulp": float((u <= 1.0).double().mean()) if u.numel() else 1.0,
+        "bias": float(d.mean()) if d.numel() else 0.0,
+        "rel_bias": float(d.mean() / ref.abs().mean().clamp_min(1e-300)) if d.numel() else 0.0,
+    }
+
+
+def finalize(expert_out: torch.Tensor, expert_weights: torch.Tensor, expanded_idx: torch.Tensor,
+             routed_scale: float = 1.0) -> torch.Tensor:
+    """MoE deferred finalize in fp64: ``routed_scale * sum_k w[t,k] * expert_out[idx[t,k]]``.
+
+    Slots with ``idx == -1`` are skipped; rows of ``expert_out`` that no index points at are
+    never read (they may hold NaN).
+    """
+    eo, w, idx = f64(expert_out), f64(expert_weights), expanded_idx.detach().cpu().long()
+    M, K = idx.shape
+    out = torch.zeros(M, eo.shape[1], dtype=torch.float64)
+    for k in range(K):
+        valid = idx[:, k] >= 0
+        rows = idx[:, k].clamp_min(0)
+        contrib = w[:, k:k + 1] * eo[rows]
+        out += torch.where(valid[:, None], contrib, torch.zeros_like(contrib))
+    return out * routed_scale
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp64."""
+    x = f64(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * f64(weight)
+
+
+def rank_partial(*, routed: Optional[torch.Tensor] = None, expert_out=None, expert_weights=None,
+                 expanded_idx=None, routed_scale: float = 1.0) -> torch.Tensor:
+    """One rank's routed partial in fp64, from the materialized tensor or the deferred triple."""
+    if routed is not None:
+        return f64(routed) * routed_scale
+    return finalize(expert_out, expert_weights, expanded_idx, routed_scale)
+
+
+def finalize_allreduce_rmsnorm(partials: Sequence[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                               shared: Optional[Sequence[torch.Tensor]] = None,
+                               residual: Optional[torch.Tensor] = None):
+    """Reference of the standalone collective: ``s = sum_r (partial_r + shared_r) + residual``.
+
+    ``partials`` are fp64 per-rank routed partials (see :func:`rank_partial`).
+    Returns ``(rmsnorm(s) * norm_weight, s)`` in fp64.
+    """
+    s = torch.zeros_like(partials[0])
+    for r, p in enumerate(partials):
+        s += p
+        if shared is not None:
+            s += f64(shared[r])
+    if residual is not None:
+        s += f64(residual)
+    return rmsnorm(s, norm_weight, eps), s
+
+
+def tail(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
+         norm_weight: torch.Tensor, up_weight: torch.Tensor, eps: float,
+         latent_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Contract-faithful fp64 reference of the whole MoE tail (DESIGN §1).
+
+    ``out = prefix + round_latent(RMSNorm(sum_r partial_r)) @ W_up^T + sum_r shared_r``, where
+    the normed latent is rounded to ``latent_dtype`` (the contract rounds it once, it feeds a
+    16-bit GEMM) and everything else stays fp64.  ``up_weight`` is the full ``[H, L]``.
+    Returns fp64 ``[M, H]``; compare the kernel's (once-rounded) output to it in ulps.
+    """
+    s = torch.zeros_like(partials[0])
+    for p in partials:
+        s += p
+    normed = rmsnorm(s, norm_weight, eps).to(latent_dtype).to(torch.float64)
+    out = f64(prefix) + normed @ f64(up_weight).T
+    for sh in shared:
+        out += f64(sh)
+    return out

@@ -1,0 +1,78 @@
+"""One-shot Lamport all-reduce (sum) over a peer pointer table.
+
+Buffers (per rank, identical layout; see ``lamport.py`` for the slot protocol)::
+
+    data[stage][src][token][width]   dtype, NUM_STAGES x W x max_tokens x width
+
+Who writes what.  Work item (token t, chunk c) is owned by one program on every rank.
+That program canonicalizes its chunk of ``x[t]`` and stores it into slot
+``data[stage][rank][t][chunk]`` of *every* rank (itself included).  It then polls its
+local ``data[stage][0..W-1][t][chunk]``, sums the W rows in rank order in fp32, rounds
+once, writes ``out[t][chunk]`` and re-arms the slots it read (it is their only reader).
+
+Who re-arms what, and why it cannot race.  The consumer re-arms; ``stage`` rotates over
+3 slot sets on the device-side counter in the control block (advanced by the last
+program of the launch), so a producer's next write into a slot set comes at least one
+whole call after every rank re-armed it (``lamport.py`` gives the argument).  All ranks
+must launch the kernels of one workspace in the same order.
+
+Programs are persistent (grid-stride over work items) so the grid can be capped to what
+is co-resident; work item i is handled by program i % P on every rank, so the
+interpreter (which runs programs one after another) cannot deadlock either: program p
+only waits for items that the peers' program p handles in the same order.
+"""
+
+import triton
+import triton.language as tl
+
+from .lamport import (canonicalize, arm, now_ns, is_poisoned, wait_ready, finish_launch, round_to)
+
+
+@triton.jit(do_not_specialize=["rank", "M", "timeout_ns"])
+def oneshot_allreduce_kernel(
+    x_ptr, out_ptr, table_ptr, ctrl_ptr, host_flag_ptr, clock_ptr,
+    rank, M, timeout_ns,
+    WIDTH: tl.constexpr, MAX_TOKENS: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (and its stage bump) are visible
+    start = now_ns(clock_ptr, USE_GLOBALTIMER)
+    deadline = start + timeout_ns
+    stage = tl.load(ctrl_ptr + 0, volatile=True)
+    CHUNKS: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
+    SLOT: tl.constexpr = MAX_TOKENS * WIDTH          # one source's slot set in a stage
+    STAGE_ELEMS: tl.constexpr = W * SLOT
+    DTYPE = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    srcs = tl.arange(0, W_P2)
+    my_base = tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE))
+    n_items = M * CHUNKS
+    if not is_poisoned(ctrl_ptr):
+        item = pid
+        while item < n_items:
+            t = item // CHUNKS
+            col = (item % CHUNKS) * BLOCK + offs
+            cmask = col < WIDTH
+            x = canonicalize(tl.load(x_ptr + t * WIDTH + col, mask=cmask, other=0.0))
+            slot_off = stage * STAGE_ELEMS + rank * SLOT + t * WIDTH
+            for d in tl.static_range(W):
+                peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
+                tl.store(peer + slot_off + col, x, mask=cmask)
+            # poll the local slots of all W sources for this (token, chunk)
+            rows = stage * STAGE_ELEMS + srcs[:, None] * SLOT + t * WIDTH + col[None, :]
+            rmask = (srcs[:, None] < W) & cmask[None, :]
+            ok = wait_ready(my_base + rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr,
+                            deadline, USE_GLOBALTIMER)
+            if ok:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for s in tl.static_range(W):  # rank order, fp32
+                    p = my_base + stage * STAGE_ELEMS + s * SLOT + t * WIDTH + col
+                    acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
+                tl.store(out_ptr + t * WIDTH + col, round_to(acc, DTYPE), mask=cmask)
+                arm(my_base + rows, rmask, DTYPE)
+            item += nprog
+    finish_launch(ctrl_ptr, nprog, NUM_STAGES)
