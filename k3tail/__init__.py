@@ -2,8 +2,11 @@
 
 On a machine without CUDA the Triton kernels can only run in Triton's interpreter, so
 importing k3tail there sets ``TRITON_INTERPRET=1`` unless the variable is already set.
+Heavier submodules are imported on first use of their names (PEP 562), so ``import
+k3tail`` stays cheap and never imports flashinfer.
 """
 
+import importlib as _importlib
 import os as _os
 
 import torch as _torch
@@ -13,14 +16,37 @@ if not _torch.cuda.is_available():
 
 from .errors import K3TailError, PeerTimeout, TierUnavailable, WorkspacePoisoned  # noqa: E402
 from .workspace import LoopbackWorld, Workspace, create_workspace  # noqa: E402
-from .allreduce import OneShotAllReduce  # noqa: E402
 from .spawn import spawn  # noqa: E402
 from . import reference  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "K3TailError", "PeerTimeout", "TierUnavailable", "WorkspacePoisoned",
-    "LoopbackWorld", "Workspace", "create_workspace",
-    "OneShotAllReduce", "spawn", "reference",
-]
+# public name -> submodule that defines it
+_LAZY = {
+    "OneShotAllReduce": "allreduce",
+    "FinalizeAllReduceRMSNorm": "finalize",
+    "LaneAllReduce": "finalize",
+    "project": "projection",
+    "LatentTail": "tail",
+    "Tier": "tiers",
+    "TailCaps": "tiers",
+    "select_tier": "tiers",
+    "TailConfig": "module",
+    "K3MoETail": "module",
+}
+
+__all__ = ["K3TailError", "PeerTimeout", "TierUnavailable", "WorkspacePoisoned", "LoopbackWorld",
+           "Workspace", "create_workspace", "spawn", "reference", *_LAZY]
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'k3tail' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

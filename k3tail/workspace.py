@@ -61,6 +61,16 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def arm_region(region: torch.Tensor, arm32=()) -> None:
+    """Fill a uint8 region with sentinels: 16-bit -0.0 everywhere, except the
+    ``(offset, nbytes)`` ranges of ``arm32`` (fp32 slots), which get the 32-bit -0.0."""
+    region.view(torch.int16).fill_(-32768)
+    for off, n in arm32:
+        if off % 4 or n % 4 or off + n > region.numel():
+            raise ValueError(f"fp32 slot range ({off}, {n}) misaligned or outside the region")
+        region[off:off + n].view(torch.int32).fill_(-(2 ** 31))
+
+
 def _check_not_capturing(what: str) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise K3TailError(f"{what}: workspaces allocate and rendezvous at construction only; "
@@ -202,13 +212,13 @@ class LoopbackWorld:
         self._barrier.wait()
         return vals
 
-    def _region(self, seq: int, nbytes: int) -> List[torch.Tensor]:
+    def _region(self, seq: int, nbytes: int, arm32=()) -> List[torch.Tensor]:
         with self._lock:
             if seq not in self._regions:
                 bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                         for _ in range(self.world_size)]
                 for b in bufs:
-                    b.view(torch.int16).fill_(-32768)
+                    arm_region(b, arm32)
                 torch.cuda.synchronize(self.device)
                 self._regions[seq] = bufs
             bufs = self._regions[seq]
@@ -290,27 +300,30 @@ def _new_ctrl(device: torch.device):
 
 
 def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = None,
-                     what: str = "k3tail") -> Workspace:
+                     what: str = "k3tail", arm32=()) -> Workspace:
     """Allocate (collectively) a region of ``nbytes`` per rank and build its peer table.
 
-    Every rank of ``group`` must call this in the same order with the same ``nbytes``.
+    Every rank of ``group`` must call this in the same order with the same arguments.
+    The region is armed with 16-bit sentinels, except the ``(offset, nbytes)`` ranges in
+    ``arm32`` (fp32 slots), before the closing barrier.
     """
+    arm32 = tuple((int(o), int(n)) for o, n in arm32)
     _check_not_capturing(what)
     nbytes = _round_up(max(int(nbytes), 2))
     comm = comm_for(group)
     if isinstance(comm, LoopbackGroup):
-        return _loopback_workspace(comm, nbytes)
+        return _loopback_workspace(comm, nbytes, arm32)
     if device is None:
         device = comm._device()
     device = torch.device(device)
     if device.type == "cpu":
-        return _shm_workspace(comm, nbytes)
-    return _symm_mem_workspace(comm, nbytes, device)
+        return _shm_workspace(comm, nbytes, arm32)
+    return _symm_mem_workspace(comm, nbytes, device, arm32)
 
 
-def _loopback_workspace(comm: LoopbackGroup, nbytes: int) -> Workspace:
+def _loopback_workspace(comm: LoopbackGroup, nbytes: int, arm32) -> Workspace:
     world = comm.world
-    bufs = world._region(comm._seq, nbytes)
+    bufs = world._region(comm._seq, nbytes, arm32)
     comm._seq += 1
     table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=world.device)
     ctrl, host_flag = _new_ctrl(world.device)
@@ -318,7 +331,7 @@ def _loopback_workspace(comm: LoopbackGroup, nbytes: int) -> Workspace:
                      bufs[comm.rank], ctrl, host_flag, 0, comm.name, _keep=[bufs])
 
 
-def _shm_workspace(comm: Comm, nbytes: int) -> Workspace:
+def _shm_workspace(comm: Comm, nbytes: int, arm32) -> Workspace:
     if not interpret_mode():
         raise K3TailError("CPU workspaces run their kernels in the Triton interpreter: set "
                           "TRITON_INTERPRET=1 before importing k3tail (k3tail.spawn does)")
@@ -349,7 +362,7 @@ def _shm_workspace(comm: Comm, nbytes: int) -> Workspace:
                 pass
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     local = whole[comm.rank * nbytes:(comm.rank + 1) * nbytes]
-    local.view(torch.int16).fill_(-32768)
+    arm_region(local, arm32)
     base = whole.data_ptr()
     table = torch.tensor([base + d * nbytes for d in range(W)], dtype=torch.int64)
     ctrl, host_flag = _new_ctrl(torch.device("cpu"))
@@ -358,7 +371,7 @@ def _shm_workspace(comm: Comm, nbytes: int) -> Workspace:
                      host_flag, 0, getattr(comm, "name", "") or "", _keep=[mm, whole])
 
 
-def _symm_mem_workspace(comm: DistComm, nbytes: int, device: torch.device) -> Workspace:
+def _symm_mem_workspace(comm: DistComm, nbytes: int, device: torch.device, arm32) -> Workspace:
     import torch.distributed._symmetric_memory as symm_mem
 
     group_name = comm.name
@@ -370,7 +383,7 @@ def _symm_mem_workspace(comm: DistComm, nbytes: int, device: torch.device) -> Wo
             pass
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     hdl = symm_mem.rendezvous(buf, group_name)
-    buf.view(torch.int16).fill_(-32768)
+    arm_region(buf, arm32)
     table = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
     mc = int(getattr(hdl, "multicast_ptr", 0) or 0)
     ctrl, host_flag = _new_ctrl(device)

@@ -7,8 +7,9 @@ address through an int64 *peer table* of base pointers (``table[d]`` = rank d's 
 A region is carved into *slots*; a slot holds one fragment of one producer's data for
 one consumer (the owner of the region).
 
-Sentinel.  A slot element is *armed* when it holds the bit pattern of -0.0 for the
-16-bit float type (0x8000).  Real data never equals the sentinel because every writer
+Sentinel.  A slot element is *armed* when it holds the bit pattern of -0.0 of the slot's
+type: 0x8000 for bf16/fp16 slots, 0x80000000 for fp32 slots (fp32 payloads carry partial
+sums that the rounding contract forbids rounding to 16 bits before they are added).  Real data never equals the sentinel because every writer
 *canonicalizes* -0.0 to +0.0 before it stores (:func:`canonicalize`).  Comparisons are
 made on the integer bits, never on floats (-0.0 == +0.0 as floats).
 
@@ -66,10 +67,35 @@ CTRL_WORDS = 16
 
 
 @triton.jit
+def is_armed(x):
+    """Elementwise: does ``x`` hold the sentinel bit pattern (-0.0 of its 16- or 32-bit type)?"""
+    if x.dtype.primitive_bitwidth == 16:
+        r = x.to(tl.int16, bitcast=True) == -32768
+    else:
+        r = x.to(tl.uint32, bitcast=True) == 0x80000000
+    return r
+
+
+@triton.jit
 def canonicalize(x):
     """Map -0.0 to +0.0 so stored data can never equal the sentinel."""
-    bits = x.to(tl.int16, bitcast=True)
-    return tl.where(bits == -32768, tl.zeros_like(x), x)
+    return tl.where(is_armed(x), tl.zeros_like(x), x)
+
+
+@triton.jit
+def sentinel_like(ptrs, DTYPE: tl.constexpr):
+    """A block of sentinels (-0.0 bits) of ``DTYPE`` shaped like ``ptrs``."""
+    if DTYPE.primitive_bitwidth == 16:
+        v = tl.full(ptrs.shape, -32768, tl.int16).to(DTYPE, bitcast=True)
+    else:
+        v = tl.full(ptrs.shape, 0x80000000, tl.uint32).to(DTYPE, bitcast=True)
+    return v
+
+
+@triton.jit
+def arm(ptrs, mask, DTYPE: tl.constexpr):
+    """Store the sentinel into ``ptrs`` (consumer-side re-arm)."""
+    tl.store(ptrs, sentinel_like(ptrs, DTYPE), mask=mask)
 
 
 @triton.jit
@@ -84,19 +110,6 @@ def round_to(x, DTYPE: tl.constexpr):
     else:
         y = x.to(DTYPE)
     return y
-
-
-@triton.jit
-def is_armed(x):
-    """Elementwise: does ``x`` (16-bit float) hold the sentinel bit pattern?"""
-    return x.to(tl.int16, bitcast=True) == -32768
-
-
-@triton.jit
-def arm(ptrs, mask, DTYPE: tl.constexpr):
-    """Store the sentinel into ``ptrs`` (consumer-side re-arm)."""
-    sent = tl.full(ptrs.shape, -32768, tl.int16).to(DTYPE, bitcast=True)
-    tl.store(ptrs, sent, mask=mask)
 
 
 @triton.jit

@@ -1,0 +1,84 @@
+"""Helpers for tests (ours and an engine's): fresh random inputs, poisoning, ulp checks.
+
+Inputs are never zeros: they are drawn fresh from a seeded generator, contain -0.0 on
+purpose, and unreferenced expert rows hold NaN so a kernel that reads them leaks NaN.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import reference as ref
+
+NO_MULTICAST_ENV = {
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def no_multicast() -> None:
+    """Set the variables that keep NVLink multicast off (DESIGN §8) in this process."""
+    os.environ.update(NO_MULTICAST_ENV)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def randn(shape, dtype, seed: int, scale: float = 1.0, device="cpu", neg_zeros: bool = True) -> torch.Tensor:
+    """Normal values in ``dtype`` with a sprinkle of -0.0 (drawn on the CPU for reproducibility)."""
+    g = gen(seed)
+    x = torch.randn(*shape, generator=g) * scale
+    if neg_zeros and x.numel():
+        m = torch.rand(*shape, generator=g) < 0.02
+        x = torch.where(m, torch.tensor(-0.0), x)
+    return x.to(dtype).to(device)
+
+
+def moe_triple(M: int, K: int, width: int, dtype, seed: int, *, rows: Optional[int] = None,
+               skip_frac: float = 0.1, weight_dtype=torch.float32, device="cpu"):
+    """A deferred-finalize triple ``(expert_out [R,width], weights [M,K], idx [M,K] int32)``.
+
+    Every token's K slots point at distinct rows; ``skip_frac`` of the slots are -1; rows no
+    slot points at hold NaN (and some -0.0 elsewhere), so leaks are visible.
+    """
+    g = gen(seed)
+    R = rows if rows is not None else max(1, M * K + 3)
+    eo = torch.randn(R, width, generator=g)
+    eo = torch.where(torch.rand(R, width, generator=g) < 0.02, torch.tensor(-0.0), eo)
+    perm = torch.randperm(R, generator=g)
+    idx = perm[: M * K].reshape(M, K).to(torch.int32) if M * K <= R else \
+        torch.randint(0, R, (M, K), generator=g, dtype=torch.int32)
+    idx = torch.where(torch.rand(M, K, generator=g) < skip_frac, torch.tensor(-1, dtype=torch.int32), idx)
+    used = torch.zeros(R, dtype=torch.bool)
+    used[idx[idx >= 0].long()] = True
+    eo[~used] = float("nan")
+    w = torch.rand(M, K, generator=g) / K * 2
+    return eo.to(dtype).to(device), w.to(weight_dtype).to(device), idx.to(device)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output with NaN (floats) before a run, so unwritten elements are caught."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-12345)
+    return t
+
+
+def check_ulp(out: torch.Tensor, reference: torch.Tensor, *, max_ulp: float = 1.0, frac: float = 1.0,
+              what: str = "output") -> dict:
+    """Assert ``out`` is within ``max_ulp`` of the fp64 ``reference`` for at least ``frac`` of the
+    elements and has no NaN; return the error statistics (with the signed bias)."""
+    o = ref.f64(out)
+    assert o.shape == reference.shape, f"{what}: shape {tuple(o.shape)} != {tuple(reference.shape)}"
+    assert not torch.isnan(o).any(), f"{what}: {int(torch.isnan(o).sum())} NaN elements (unwritten or leaked)"
+    st = ref.error_stats(out, reference)
+    u = ref.ulp_error(out, reference)
+    ok = float((u <= max_ulp).double().mean()) if u.numel() else 1.0
+    assert ok >= frac, f"{what}: only {ok:.6f} of elements within {max_ulp} ulp (need {frac}); stats {st}"
+    return st
