@@ -118,3 +118,25 @@ def tail(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequ
     for sh in shared:
         out += f64(sh)
     return out
+
+
+def lane(partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor], norm_weight: torch.Tensor,
+         eps: float):
+    """Reference of the lane collective (FUSED_LANE_AR): ``(RMSNorm(sum_r partial_r) * norm_weight,
+    sum_r shared_r)`` in fp64.  ``partials`` are fp64 per-rank routed partials (:func:`rank_partial`)."""
+    s = torch.zeros_like(partials[0])
+    for p in partials:
+        s += p
+    return rmsnorm(s, norm_weight, eps), all_reduce(shared)
+
+
+def project(normed: torch.Tensor, up_weight: torch.Tensor, prefix: Optional[torch.Tensor] = None,
+            shared_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference of the projection epilogue: ``prefix + normed @ up_weight^T + shared_sum`` in fp64
+    (``normed`` is taken as given: the contract rounds it before the GEMM)."""
+    out = f64(normed) @ f64(up_weight).T
+    if prefix is not None:
+        out = f64(prefix) + out
+    if shared_sum is not None:
+        out = out + f64(shared_sum)
+    return out

@@ -1,0 +1,255 @@
+"""FinalizeAllReduceRMSNorm and LaneAllReduce (kernel: triton_kernels/finalize_ar_norm.py).
+
+Both ops run ONE launch per call: optional MoE finalize of the deferred triple, a one-shot
+Lamport all-reduce over the group, and RMSNorm in the epilogue; fp32 from the first product
+to the last, rank-order sums, one rounding per output, so every rank returns bit-identical
+results (DESIGN §3.3, §6).  World size 1 runs the same kernel without communication.
+
+Tactics (``tactics=`` dict, optional; must be identical on every rank): ``block`` (columns
+per chunk, power of two), ``num_warps``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _launch as L
+from .triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
+from .triton_kernels.lamport import NUM_STAGES
+from .workspace import comm_for, create_workspace, interpret_mode
+
+MAX_TOP_K = 64
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _FusedBase:
+    op_name = "k3tail"
+
+    def _setup(self, group, *, width, shared_width, max_tokens, top_k, eps, routed_scale, dtype,
+               timeout_s, tactics, device):
+        if dtype not in L.SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        for name, v in (("width" if shared_width is None else "latent", width),
+                        ("hidden", shared_width if shared_width is not None else 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be an int in 1..{MAX_TOP_K} or None, got {top_k!r}")
+        if not (isinstance(eps, (int, float)) and eps >= 0):
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        if not isinstance(routed_scale, (int, float)):
+            raise ValueError(f"routed_scale must be a float, got {routed_scale!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        tactics = dict(tactics or {})
+        unknown = set(tactics) - {"block", "num_warps"}
+        if unknown:
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: block, num_warps)")
+        self.group, self.comm = group, comm_for(group)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.width, self.sh = width, (shared_width or 0)
+        self.max_tokens, self.top_k, self.eps = max_tokens, top_k, float(eps)
+        self.routed_scale, self.dtype, self.timeout_s = float(routed_scale), dtype, float(timeout_s)
+        W = self.world_size
+        self.ws = None
+        if W > 1:
+            n32 = NUM_STAGES * W * max_tokens * width * 4
+            n16 = NUM_STAGES * W * max_tokens * (width + self.sh) * 2
+            self.ws = create_workspace(group, n32 + n16, device=device, what=self.op_name,
+                                       arm32=((0, n32),))
+            self.device = self.ws.device
+        else:
+            self.device = torch.device(device) if device is not None else (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                else torch.device("cpu"))
+        self.scratch = torch.empty(max_tokens, width, dtype=torch.float32, device=self.device)
+        self._idx_dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
+        w_p2 = L.next_pow2(W)
+        if interpret_mode():
+            block = max(64, min(L.next_pow2(max(width, self.sh)), 32768 // w_p2, 4096))
+        else:
+            block = max(64, min(L.next_pow2(max(width, self.sh)), 8192 // w_p2, 1024))
+        self.block = int(tactics.get("block", block))
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"tactics['block'] must be a power of two >= 16, got {self.block}")
+        self.num_warps = int(tactics.get("num_warps", 4 if W > 1 else 8))
+
+    # ------------------------------------------------------------------ helpers
+    def check(self) -> None:
+        """Synchronize this rank's device and raise if a wait timed out."""
+        if self.ws is not None:
+            if self.ws.device.type == "cuda":
+                torch.cuda.synchronize(self.ws.device)
+            self.ws.check(self.op_name, self.timeout_s)
+
+    def _validate_routed(self, routed, expert_out, expert_weights, expanded_idx):
+        """Return (M, finalize?, top_k) after validating the routed input (materialized or triple)."""
+        triple = (expert_out, expert_weights, expanded_idx)
+        n_triple = sum(x is not None for x in triple)
+        if routed is not None and n_triple:
+            raise ValueError("routed: pass either routed or the triple (expert_out, expert_weights, "
+                             "expanded_idx), not both")
+        if routed is None and n_triple != 3:
+            if n_triple == 0:
+                raise ValueError("routed: pass routed or the triple (expert_out, expert_weights, expanded_idx)")
+            missing = [n for n, x in zip(("expert_out", "expert_weights", "expanded_idx"), triple) if x is None]
+            raise ValueError(f"{missing[0]}: the deferred triple needs all three of expert_out, "
+                             f"expert_weights and expanded_idx")
+        if routed is not None:
+            L.check_tensor("routed", routed, dtype=self.dtype, device=self.device, ndim=2,
+                           shape=(None, self.width))
+            return routed.shape[0], False, 1
+        L.check_tensor("expanded_idx", expanded_idx, device=self.device, ndim=2)
+        if expanded_idx.dtype != torch.int32:
+            raise ValueError(f"expanded_idx must have dtype torch.int32, got {expanded_idx.dtype}")
+        M, K = expanded_idx.shape
+        if self.top_k is not None and K != self.top_k:
+            raise ValueError(f"expanded_idx has top_k {K} columns but the op was built with top_k={self.top_k}")
+        if not 1 <= K <= MAX_TOP_K:
+            raise ValueError(f"expanded_idx: top_k must be in 1..{MAX_TOP_K}, got {K}")
+        L.check_tensor("expert_weights", expert_weights, dtypes=WEIGHT_DTYPES, device=self.device,
+                       ndim=2, shape=(M, K))
+        L.check_tensor("expert_out", expert_out, dtype=self.dtype, device=self.device, ndim=2,
+                       shape=(None, self.width))
+        if expert_out.shape[0] < 1:
+            raise ValueError("expert_out must have at least one row")
+        return M, True, K
+
+    def _check_m(self, M):
+        if M > self.max_tokens:
+            raise ValueError(f"routed/expanded_idx has {M} rows but max_tokens is {self.max_tokens}")
+
+    def _launch(self, M, *, routed, expert_out, expert_weights, expanded_idx, shared, residual,
+                norm_weight, normed, resout, shsum, finalize, top_k, shared_add, slot32):
+        dummy = normed
+        W = self.world_size
+        ws = self.ws
+        if ws is not None:
+            ws.check(self.op_name, self.timeout_s)
+            table, ctrl, host_flag, clock, rank = ws.table, ws.ctrl, ws.host_flag, L.clock_arg(ws), ws.rank
+            cap = L.grid_cap(self.group, ws.device, self.num_warps)
+        else:
+            table = ctrl = host_flag = clock = self.scratch
+            rank, cap = 0, 1 << 30
+        pdl = L.pdl_enabled(self.device) if self.device.type == "cuda" else False
+        grid = (min(M, cap),)
+        L.launch(finalize_ar_norm_kernel, grid,
+                 routed if routed is not None else dummy,
+                 expert_out if expert_out is not None else dummy,
+                 expert_weights if expert_weights is not None else self.scratch,
+                 expanded_idx if expanded_idx is not None else self._idx_dummy,
+                 shared if shared is not None else dummy,
+                 residual if residual is not None else dummy,
+                 norm_weight, normed,
+                 resout if resout is not None else dummy,
+                 shsum if shsum is not None else self.scratch,
+                 self.scratch, table, ctrl, host_flag, clock,
+                 rank, M, int(self.timeout_s * 1e9), self.routed_scale, self.eps,
+                 WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
+                 W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=self.block, NUM_STAGES=NUM_STAGES,
+                 FINALIZE=finalize, HAS_SCALE=self.routed_scale != 1.0, SHARED_ADD=shared_add,
+                 HAS_RESIDUAL=residual is not None, SLOT32=slot32,
+                 USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl,
+                 pdl=pdl, num_warps=self.num_warps)
+        if ws is not None:
+            L.after_launch(ws, self.op_name, self.timeout_s)
+
+
+class FinalizeAllReduceRMSNorm(_FusedBase):
+    """Fused MoE finalize + all-reduce + (residual add) + RMSNorm, one launch (DESIGN §3.3).
+
+    Per rank ``r = routed_scale * (routed or finalize(expert_out, expert_weights, expanded_idx))
+    (+ shared)``; ``s = sum over ranks of r (rank order, fp32) (+ residual, once)``; returns
+    ``RMSNorm(s) * norm_weight`` or ``(normed, residual_out = s)`` when ``residual`` is given.
+    Every output is rounded once from fp32 and is bit-identical on every rank.
+
+    ``expanded_idx`` int32 ``[M, top_k]`` (-1 skips the slot; the row is never loaded), rows
+    must be < ``expert_out.shape[0]`` (not checked on the device: no sync); ``expert_weights``
+    bf16/fp16/fp32 ``[M, top_k]``; ``norm_weight [width]`` in ``dtype`` or fp32.  ``M = 0``
+    returns empty outputs without communicating.  Must be constructed on every rank in the same
+    order, outside CUDA-graph capture; calls are graph-capturable.
+    """
+
+    op_name = "FinalizeAllReduceRMSNorm"
+
+    def __init__(self, group=None, *, width: int, max_tokens: int, top_k: Optional[int] = None,
+                 eps: float = 1e-6, routed_scale: float = 1.0, dtype: torch.dtype = torch.bfloat16,
+                 timeout_s: float = 20.0, tactics: Optional[dict] = None, device=None):
+        self._setup(group, width=width, shared_width=None, max_tokens=max_tokens, top_k=top_k, eps=eps,
+                    routed_scale=routed_scale, dtype=dtype, timeout_s=timeout_s, tactics=tactics,
+                    device=device)
+
+    def __call__(self, *, norm_weight, routed=None, expert_out=None, expert_weights=None,
+                 expanded_idx=None, shared=None, residual=None):
+        M, finalize, top_k = self._validate_routed(routed, expert_out, expert_weights, expanded_idx)
+        self._check_m(M)
+        L.check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
+                       ndim=1, shape=(self.width,))
+        for name, t in (("shared", shared), ("residual", residual)):
+            if t is not None:
+                L.check_tensor(name, t, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.width))
+        normed = torch.empty(M, self.width, dtype=self.dtype, device=self.device)
+        resout = torch.empty_like(normed) if residual is not None else None
+        if M > 0:
+            slot32 = finalize or self.routed_scale != 1.0 or shared is not None
+            self._launch(M, routed=routed, expert_out=expert_out, expert_weights=expert_weights,
+                         expanded_idx=expanded_idx, shared=shared, residual=residual,
+                         norm_weight=norm_weight, normed=normed, resout=resout, shsum=None,
+                         finalize=finalize, top_k=top_k, shared_add=shared is not None, slot32=slot32)
+        return (normed, resout) if residual is not None else normed
+
+    def as_custom_op(self):
+        """A callable that routes through the ``k3tail::finalize_allreduce_rmsnorm`` custom op."""
+        from .custom_ops import bind
+        return bind(self)
+
+
+class LaneAllReduce(_FusedBase):
+    """The FUSED_LANE_AR collective: one launch all-reduces the lane ``[routed L | shared H]``.
+
+    Per rank the routed partial is ``routed_scale * (routed or finalize(triple))`` (fp32 slots
+    when it is a finalize result or scaled; 16-bit slots for a plain 16-bit ``routed`` at scale
+    1), the shared partial ``shared [M, hidden]`` travels in 16-bit slots (each rank's shared
+    partial is an exact 16-bit input).  Returns ``(normed [M, latent] dtype, shared_sum [M, hidden]
+    fp32)``: ``normed = RMSNorm(sum_r routed_r) * norm_weight`` rounded once, ``shared_sum`` the
+    rank-order fp32 sum (kept fp32 so the projection rounds once).
+    """
+
+    op_name = "LaneAllReduce"
+
+    def __init__(self, group=None, *, latent: int, hidden: int, max_tokens: int,
+                 top_k: Optional[int] = None, eps: float = 1e-5, routed_scale: float = 1.0,
+                 dtype: torch.dtype = torch.bfloat16, timeout_s: float = 20.0,
+                 tactics: Optional[dict] = None, device=None):
+        if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0:
+            raise ValueError(f"hidden must be a positive int, got {hidden!r}")
+        self._setup(group, width=latent, shared_width=hidden, max_tokens=max_tokens, top_k=top_k, eps=eps,
+                    routed_scale=routed_scale, dtype=dtype, timeout_s=timeout_s, tactics=tactics,
+                    device=device)
+        self.latent, self.hidden = latent, hidden
+
+    def __call__(self, *, norm_weight, shared, routed=None, expert_out=None, expert_weights=None,
+                 expanded_idx=None):
+        M, finalize, top_k = self._validate_routed(routed, expert_out, expert_weights, expanded_idx)
+        self._check_m(M)
+        L.check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
+                       ndim=1, shape=(self.width,))
+        L.check_tensor("shared", shared, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.hidden))
+        normed = torch.empty(M, self.width, dtype=self.dtype, device=self.device)
+        shsum = torch.empty(M, self.hidden, dtype=torch.float32, device=self.device)
+        if M > 0:
+            slot32 = finalize or self.routed_scale != 1.0
+            self._launch(M, routed=routed, expert_out=expert_out, expert_weights=expert_weights,
+                         expanded_idx=expanded_idx, shared=shared, residual=None,
+                         norm_weight=norm_weight, normed=normed, resout=None, shsum=shsum,
+                         finalize=finalize, top_k=top_k, shared_add=False, slot32=slot32)
+        return normed, shsum
+
+    def as_custom_op(self):
+        """A callable that routes through the ``k3tail::lane_allreduce`` custom op."""
+        from .custom_ops import bind
+        return bind(self)
