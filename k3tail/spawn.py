@@ -24,7 +24,7 @@ NO_MULTICAST_ENV = {
 _GRACE_S = 10.0
 
 
-def _child(rank, world_size, device, init_file, env, fn, args, conn):
+def _child(rank, world_size, device, backend, init_file, env, fn, args, conn):
     os.environ.update(env)
     try:
         import torch
@@ -33,11 +33,12 @@ def _child(rank, world_size, device, init_file, env, fn, args, conn):
         torch.set_num_threads(1)
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":
             dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                                     world_size=world_size,
                                     device_id=torch.device("cuda", torch.cuda.current_device()))
         else:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                     world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
@@ -59,11 +60,13 @@ def _child(rank, world_size, device, init_file, env, fn, args, conn):
 
 
 def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
-          timeout: float = 300.0) -> List[Any]:
+          timeout: float = 300.0, backend: str = None, env: dict = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
     ``device="cpu"``: gloo, ``TRITON_INTERPRET=1`` (kernels run in Triton's interpreter on
     shared memory).  ``device="cuda"``: NCCL, one GPU per rank (rank % device_count).
+    ``backend`` overrides the process-group backend (e.g. gloo for several CUDA ranks on
+    one GPU, which NCCL refuses); ``env`` adds variables to every rank's environment.
     Returns the per-rank return values in rank order; tensors come back on the CPU (they
     are serialized, so they outlive the child).  If a rank raises, raises
     :class:`K3TailError` naming the rank with its traceback; ranks still running
@@ -81,7 +84,9 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
     ctx = mp.get_context("spawn")
     tag = uuid.uuid4().hex[:10]
     shm_prefix = f"k3tail-{tag}-"
-    env = dict(NO_MULTICAST_ENV)
+    if backend is None:
+        backend = "nccl" if device == "cuda" else "gloo"
+    env = {**(env or {}), **NO_MULTICAST_ENV}
     env["K3TAIL_SHM_PREFIX"] = shm_prefix
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
@@ -94,7 +99,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"k3tail-rank{rank}",
-                            args=(rank, world_size, device, init_file, env, fn, args, child_end),
+                            args=(rank, world_size, device, backend, init_file, env, fn, args, child_end),
                             daemon=True)
             p.start()
             child_end.close()
