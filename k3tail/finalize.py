@@ -5,6 +5,8 @@ Lamport all-reduce over the group, and RMSNorm in the epilogue; fp32 from the fi
 to the last, rank-order sums, one rounding per output, so every rank returns bit-identical
 results (DESIGN §3.3, §6).  World size 1 runs the same kernel without communication.
 
+``group=None`` without an initialized ``torch.distributed`` means world size 1.
+
 Tactics (``tactics=`` dict, optional; must be identical on every rank): ``block`` (columns
 per chunk, power of two), ``num_warps``.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from . import _launch as L
 from .triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
@@ -49,8 +52,13 @@ class _FusedBase:
         unknown = set(tactics) - {"block", "num_warps"}
         if unknown:
             raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: block, num_warps)")
-        self.group, self.comm = group, comm_for(group)
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.group = group
+        if group is None and not dist.is_initialized():
+            self.comm = None  # a single process without torch.distributed: world size 1
+            self.rank, self.world_size = 0, 1
+        else:
+            self.comm = comm_for(group)
+            self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.width, self.sh = width, (shared_width or 0)
         self.max_tokens, self.top_k, self.eps = max_tokens, top_k, float(eps)
         self.routed_scale, self.dtype, self.timeout_s = float(routed_scale), dtype, float(timeout_s)
