@@ -1,0 +1,112 @@
+"""Projection epilogue of the MoE tail: ``out = prefix + normed @ up_weight^T + shared_sum``.
+
+fp32 accumulation and fp32 epilogue adds, ONE rounding at the end (DESIGN §1).  Small M runs
+the Triton skinny GEMM (``triton_kernels/projection.py``); large M runs cuBLAS with an fp32
+output (``torch.mm(..., out_dtype=torch.float32)`` where the installed torch has it for the
+device, else a matmul of fp32 upcasts: exact products, fp32 accumulation), then fp32 adds and
+one ``.to(dtype)``.  Both paths keep the same contract; they may differ in the fp32
+summation order (so by at most an ulp in rare ties), never in the rounding count.
+
+Tactics (dict, optional): ``triton_max_m`` (largest M that takes the Triton path; default 16),
+``block_n``, ``block_k``, ``num_warps``.  Note: the fp32-upcast fallback on CUDA honours
+``torch.backends.cuda.matmul.allow_tf32``; keep it False (PyTorch's default) for the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _launch as L
+from .triton_kernels.projection import projection_kernel
+from .workspace import interpret_mode
+
+_TACTIC_KEYS = {"triton_max_m", "block_n", "block_k", "num_warps"}
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_2d(name, t, *, shape, dtypes, device):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have one of dtypes {list(dtypes)}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if t.dim() != 2 or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``a @ w^T`` with fp32 output and fp32 accumulation, inputs unrounded."""
+    if a.device.type == "cuda":
+        try:
+            return torch.mm(a, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return torch.matmul(a.float(), w.float().t())
+
+
+def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[torch.Tensor] = None,
+            shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+            tactics: Optional[dict] = None) -> torch.Tensor:
+    """``out [M, N] = prefix + normed @ up_weight^T + shared_sum`` with fp32 accumulation, one rounding.
+
+    ``normed [M, L]`` bf16/fp16; ``up_weight [N, L]`` same dtype (may be a row shard);
+    ``prefix [M, N]`` 16-bit or None; ``shared_sum [M, N]`` fp32 or 16-bit or None; any strides
+    (column slices of wider tensors are fine); ``out_dtype`` defaults to ``normed.dtype``.
+    """
+    tactics = dict(tactics or {})
+    if set(tactics) - _TACTIC_KEYS:
+        raise ValueError(f"tactics has unknown keys {sorted(set(tactics) - _TACTIC_KEYS)} "
+                         f"(known: {sorted(_TACTIC_KEYS)})")
+    if not isinstance(normed, torch.Tensor) or normed.dim() != 2:
+        raise ValueError(f"normed must be a 2-D tensor, got {getattr(normed, 'shape', type(normed).__name__)}")
+    if normed.dtype not in L.SUPPORTED_DTYPES:
+        raise ValueError(f"normed must be bf16 or fp16, got {normed.dtype}")
+    M, K = normed.shape
+    dev = normed.device
+    if not isinstance(up_weight, torch.Tensor) or up_weight.dim() != 2:
+        raise ValueError("up_weight must be a 2-D tensor [N, L]")
+    N = up_weight.shape[0]
+    _check_2d("up_weight", up_weight, shape=(N, K), dtypes=(normed.dtype,), device=dev)
+    if prefix is not None:
+        _check_2d("prefix", prefix, shape=(M, N), dtypes=L.SUPPORTED_DTYPES, device=dev)
+    if shared_sum is not None:
+        _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=(torch.float32, *L.SUPPORTED_DTYPES), device=dev)
+    out_dtype = normed.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
+    out = torch.empty(M, N, dtype=out_dtype, device=dev)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        acc = torch.zeros(M, N, dtype=torch.float32, device=dev)
+        return _epilogue(acc, prefix, shared_sum, out)
+    if M <= int(tactics.get("triton_max_m", 16)):
+        bn = int(tactics.get("block_n", 32 if interpret_mode() else (16 if N <= 4096 else 32)))
+        bk = int(tactics.get("block_k", 512 if interpret_mode() else 256))
+        bm = 16
+        grid = (triton_cdiv(N, bn), triton_cdiv(M, bm))
+        pz = prefix if prefix is not None else out
+        sz = shared_sum if shared_sum is not None else out
+        L.launch(projection_kernel, grid, normed, up_weight, pz, sz, out, M, N, K,
+                 normed.stride(0), normed.stride(1), up_weight.stride(0), up_weight.stride(1),
+                 pz.stride(0), pz.stride(1), sz.stride(0), sz.stride(1), out.stride(0), out.stride(1),
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_PREFIX=prefix is not None,
+                 HAS_SHSUM=shared_sum is not None, num_warps=int(tactics.get("num_warps", 4)))
+        return out
+    return _epilogue(_mm_f32(normed, up_weight), prefix, shared_sum, out)
+
+
+def _epilogue(acc, prefix, shared_sum, out):
+    if prefix is not None:
+        acc = prefix.float() + acc
+    if shared_sum is not None:
+        acc = acc + shared_sum.float()
+    out.copy_(acc)  # the one rounding (RNE)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
