@@ -72,7 +72,9 @@ def oneshot_allreduce_kernel(
                 for s in tl.static_range(W):  # rank order, fp32
                     p = my_base + stage * STAGE_ELEMS + s * SLOT + t * WIDTH + col
                     acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
+                    # Re-arm through the same pointer tensor (same layout, so the same
+                    # thread that read an element re-arms it: no intra-CTA WAR race).
+                    arm(p, cmask, DTYPE)
                 tl.store(out_ptr + t * WIDTH + col, round_to(acc, DTYPE), mask=cmask)
-                arm(my_base + rows, rmask, DTYPE)
             item += nprog
     finish_launch(ctrl_ptr, nprog, NUM_STAGES)

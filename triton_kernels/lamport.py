@@ -20,6 +20,13 @@ Who writes what.
   * the consumer then reads the data (volatile again, so no stale L1 line is reused)
     and *re-arms* what it read (:func:`arm`), i.e. the clear is consumer-side.
 
+Re-arm in the reader's layout.  Re-arm an element through the *same pointer tensor*
+(same shape and layout) that read it, so the thread that read it is the one that re-arms
+it; or put ``tl.debug_barrier()`` between the last read and the re-arm.  A re-arm issued
+in another layout (e.g. the [W, BLOCK] poll tile after 1-D reads) lets one thread of the
+CTA re-arm an element before another thread has read it: seen on the H200, invisible
+under the interpreter.
+
 Why it cannot race.  Each 16-bit element is written by exactly one producer with one
 store, so an element is either the sentinel or final data: no tearing, and no ordering
 between elements is needed because the consumer checks every element it uses.  A
