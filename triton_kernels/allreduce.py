@@ -34,7 +34,7 @@ def oneshot_allreduce_kernel(
     rank, M, timeout_ns,
     WIDTH: tl.constexpr, MAX_TOKENS: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr, REARM: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -74,7 +74,11 @@ def oneshot_allreduce_kernel(
                     acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
                     # Re-arm through the same pointer tensor (same layout, so the same
                     # thread that read an element re-arms it: no intra-CTA WAR race).
-                    arm(p, cmask, DTYPE)
+                    if REARM == 1:
+                        arm(p, cmask, DTYPE)
                 tl.store(out_ptr + t * WIDTH + col, round_to(acc, DTYPE), mask=cmask)
+                if REARM == 2:
+                    tl.debug_barrier()
+                    arm(my_base + rows, rmask, DTYPE)
             item += nprog
     finish_launch(ctrl_ptr, nprog, NUM_STAGES)
