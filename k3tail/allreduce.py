@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import _launch as L
@@ -76,7 +74,6 @@ class OneShotAllReduce:
                  WIDTH=self.width, MAX_TOKENS=self.max_tokens, W=self.world_size,
                  W_P2=L.next_pow2(self.world_size), BLOCK=self.block, NUM_STAGES=NUM_STAGES,
                  USE_GLOBALTIMER=not interpret_mode(), USE_PDL=L.pdl_enabled(ws.device),
-                 REARM=int(os.environ.get("K3TAIL_DEBUG_REARM", "1")),
                  pdl=L.pdl_enabled(ws.device))
         L.after_launch(ws, self.op_name, self.timeout_s)
         return out

@@ -80,7 +80,7 @@ def _check_correctness(results, cases, W):
         for r in range(1, W):
             assert torch.equal(ys[r].view(torch.int16), ys[0].view(torch.int16)), f"rank {r} differs, case {key}"
         if ys[0].numel():
-            stats.append(check_ulp(ys[0], ref.all_reduce(xs), max_ulp=0.5, what=f"W={W} case {key}"))
+            stats.append(check_ulp(ys[0], ref.all_reduce(xs), max_ulp=1.0, what=f"W={W} case {key}"))
         else:
             assert ys[0].shape == xs[0].shape
     return stats
@@ -96,7 +96,7 @@ CASES_W3 = [(520, 6, torch.bfloat16, [6, 1, 4]), (7168, 2, torch.float16, [2, 1]
 
 def test_cpu_w4_bf16_fp16_k3_width():
     """W=4: K3 width 7168 and odd widths, bf16 and fp16, M up to max_tokens and M=0, several
-    calls in a row (stage rotation).  Bound: exact fp32 sum rounded once -> <= 0.5 ulp."""
+    calls in a row (stage rotation).  Bound: <= 1 ulp (the fp32 rank-order sum is exact unless the summands span more than 24 bits of exponent, then fp32 rounding adds at most a hair; observed 0.5)."""
     res = k3tail.spawn(4, _rank_correctness, CASES_W4)
     stats = _check_correctness(res, CASES_W4, 4)
     print("\nW=4 worst max_ulp", max(s["max_ulp"] for s in stats),
@@ -124,7 +124,7 @@ def test_cpu_timeout_poison_and_bad_inputs():
         for name, msg in res[r]["bad"].items():
             assert msg != "no error", f"rank {r}: bad input {name!r} was accepted"
         x_ok = [res[q]["ok"][0] for q in range(W)]
-        check_ulp(res[r]["ok"][1], ref.all_reduce(x_ok), max_ulp=0.5)
+        check_ulp(res[r]["ok"][1], ref.all_reduce(x_ok), max_ulp=1.0)
     assert "max_tokens" in res[0]["bad"]["too_many_tokens"]
     assert "dtype" in res[0]["bad"]["dtype"] and "contiguous" in res[0]["bad"]["stride"]
     for r in range(W - 1):
@@ -166,7 +166,7 @@ def test_gpu_loopback_eager_and_graph_replay(W):
         torch.cuda.synchronize()
         for r in range(W):
             assert torch.equal(ys[r].view(torch.int16), ys[0].view(torch.int16))
-        check_ulp(ys[0], ref.all_reduce(xs), max_ulp=0.5)
+        check_ulp(ys[0], ref.all_reduce(xs), max_ulp=1.0)
     # CUDA graph: capture once, replay 100 times with fresh inputs copied into static ones
     M = 8
     static_x = [torch.empty(M, width, dtype=dtype, device=dev) for _ in range(W)]
@@ -187,7 +187,7 @@ def test_gpu_loopback_eager_and_graph_replay(W):
         torch.cuda.synchronize()
         for r in range(W):
             assert torch.equal(static_y[r].view(torch.int16), static_y[0].view(torch.int16)), (it, r)
-        worst = max(worst, check_ulp(static_y[0], ref.all_reduce(xs), max_ulp=0.5)["max_ulp"])
+        worst = max(worst, check_ulp(static_y[0], ref.all_reduce(xs), max_ulp=1.0)["max_ulp"])
     for op in ops:
         op.check()
     print(f"\nloopback W={W}: 100 graph replays, worst {worst} ulp")
@@ -238,4 +238,4 @@ def test_gpu_symm_mem_processes_on_one_gpu():
     for c in range(3):
         xs = [res[r][c][0] for r in range(W)]
         assert torch.equal(res[0][c][1].view(torch.int16), res[1][c][1].view(torch.int16))
-        check_ulp(res[0][c][1], ref.all_reduce(xs), max_ulp=0.5)
+        check_ulp(res[0][c][1], ref.all_reduce(xs), max_ulp=1.0)

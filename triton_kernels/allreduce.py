@@ -25,7 +25,7 @@ only waits for items that the peers' program p handles in the same order.
 import triton
 import triton.language as tl
 
-from .lamport import (canonicalize, arm, now_ns, is_poisoned, wait_ready, finish_launch, round_to)
+from .lamport import (canonicalize, rearm, now_ns, is_poisoned, wait_ready, finish_launch, round_to)
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns"])
@@ -34,7 +34,7 @@ def oneshot_allreduce_kernel(
     rank, M, timeout_ns,
     WIDTH: tl.constexpr, MAX_TOKENS: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr, REARM: tl.constexpr = 1,
+    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -72,13 +72,7 @@ def oneshot_allreduce_kernel(
                 for s in tl.static_range(W):  # rank order, fp32
                     p = my_base + stage * STAGE_ELEMS + s * SLOT + t * WIDTH + col
                     acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
-                    # Re-arm through the same pointer tensor (same layout, so the same
-                    # thread that read an element re-arms it: no intra-CTA WAR race).
-                    if REARM == 1:
-                        arm(p, cmask, DTYPE)
                 tl.store(out_ptr + t * WIDTH + col, round_to(acc, DTYPE), mask=cmask)
-                if REARM == 2:
-                    tl.debug_barrier()
-                    arm(my_base + rows, rmask, DTYPE)
+                rearm(my_base + rows, rmask, DTYPE)  # barrier first: every thread has read
             item += nprog
     finish_launch(ctrl_ptr, nprog, NUM_STAGES)

@@ -20,12 +20,12 @@ Who writes what.
   * the consumer then reads the data (volatile again, so no stale L1 line is reused)
     and *re-arms* what it read (:func:`arm`), i.e. the clear is consumer-side.
 
-Re-arm in the reader's layout.  Re-arm an element through the *same pointer tensor*
-(same shape and layout) that read it, so the thread that read it is the one that re-arms
-it; or put ``tl.debug_barrier()`` between the last read and the re-arm.  A re-arm issued
-in another layout (e.g. the [W, BLOCK] poll tile after 1-D reads) lets one thread of the
-CTA re-arm an element before another thread has read it: seen on the H200, invisible
-under the interpreter.
+Re-arm only after a CTA barrier.  Triton assigns a layout to every memory operation on
+its own (coalescing), so even a store through the very pointer tensor that was loaded may
+put an element on another thread than the one that read it.  Without a barrier, one
+thread can re-arm an element before another thread of the CTA has read it: seen on the
+H200 (wrong sums; invisible under the interpreter).  :func:`rearm` is
+``tl.debug_barrier()`` followed by the sentinel store; use it for every consumer-side clear.
 
 Why it cannot race.  Each 16-bit element is written by exactly one producer with one
 store, so an element is either the sentinel or final data: no tearing, and no ordering
@@ -103,6 +103,13 @@ def sentinel_like(ptrs, DTYPE: tl.constexpr):
 def arm(ptrs, mask, DTYPE: tl.constexpr):
     """Store the sentinel into ``ptrs`` (consumer-side re-arm)."""
     tl.store(ptrs, sentinel_like(ptrs, DTYPE), mask=mask)
+
+
+@triton.jit
+def rearm(ptrs, mask, DTYPE: tl.constexpr):
+    """Consumer-side clear: CTA barrier (every thread has read), then store the sentinel."""
+    tl.debug_barrier()
+    arm(ptrs, mask, DTYPE)
 
 
 @triton.jit
