@@ -77,14 +77,17 @@ class _FusedBase:
         self.scratch = torch.empty(max_tokens, width, dtype=torch.float32, device=self.device)
         self._idx_dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
         w_p2 = L.next_pow2(W)
+        wide = L.next_pow2(max(width, self.sh))
         if interpret_mode():
-            block = max(64, min(L.next_pow2(max(width, self.sh)), 32768 // w_p2, 4096))
+            block = max(64, min(wide, 32768 // w_p2, 4096))
+        elif W == 1:
+            block = max(64, min(wide, 4096))  # one chunk for K3 widths: the row stays in registers
         else:
-            block = max(64, min(L.next_pow2(max(width, self.sh)), 8192 // w_p2, 1024))
+            block = max(64, min(wide, 8192 // w_p2, 1024))
         self.block = int(tactics.get("block", block))
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"tactics['block'] must be a power of two >= 16, got {self.block}")
-        self.num_warps = int(tactics.get("num_warps", 4 if W > 1 else 8))
+        self.num_warps = int(tactics.get("num_warps", 4 if W > 1 else max(4, min(16, self.block // 256))))
 
     # ------------------------------------------------------------------ helpers
     def check(self) -> None:

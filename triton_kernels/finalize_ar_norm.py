@@ -38,7 +38,8 @@ loop; the same token -> program map on every rank).  For its token t it
    written to ``shared_sum`` (fp32);
 3. *normalizes*: ``rstd = rsqrt(ssq / WIDTH + eps)``, then chunk by chunk
    ``round(scratch * rstd * gamma)``.  Phase 3 reads back what the same program wrote in
-   phase 2; a CTA barrier (``tl.debug_barrier``) orders the two phases.
+   phase 2; a CTA barrier (``tl.debug_barrier``) orders the two phases.  When the row fits
+   one chunk (``CHUNKS == 1``) the sum stays in registers and scratch is not touched.
 
 World size 1 (``W == 1``): no slots at all, phase 1 writes the partial (+ residual) straight
 into the scratch row: still one launch, no communication.
@@ -74,7 +75,7 @@ def _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr
     t64 = t.to(tl.int64)
     if FINALIZE:
         acc = tl.zeros(col.shape, dtype=tl.float32)
-        for k in range(TOP_K):  # ascending k, fp32
+        for k in tl.static_range(TOP_K):  # ascending k, fp32; unrolled so all row loads are in flight
             e = tl.load(idx_ptr + t64 * TOP_K + k).to(tl.int64)
             wk = tl.load(w_ptr + t64 * TOP_K + k).to(tl.float32)
             row = tl.load(eo_ptr + e * WIDTH + col, mask=cmask & (e >= 0), other=0.0)
@@ -131,6 +132,7 @@ def finalize_ar_norm_kernel(
         while t < M:
             t64 = t.to(tl.int64)
             ssq = tl.zeros([BLOCK], dtype=tl.float32)
+            keep = tl.zeros([BLOCK], dtype=tl.float32)  # the row sum when it fits one chunk
             ok = 1
             if W == 1:
                 # ---- no communication: partial (+ residual) straight into scratch
@@ -144,7 +146,10 @@ def finalize_ar_norm_kernel(
                         tl.store(resout_ptr + t64 * WIDTH + col, round_to(s, DTYPE), mask=cmask)
                     s = tl.where(cmask, s, 0.0)
                     ssq += s * s
-                    tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
+                    if CHUNKS == 1:
+                        keep = s
+                    else:
+                        tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
                 for c in range(CHUNKS_SH):
                     col = c * BLOCK + offs
                     cmask = col < SH
@@ -202,7 +207,10 @@ def finalize_ar_norm_kernel(
                             tl.store(resout_ptr + t64 * WIDTH + col, round_to(s, DTYPE), mask=cmask)
                         s = tl.where(cmask, s, 0.0)
                         ssq += s * s
-                        tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
+                        if CHUNKS == 1:
+                            keep = s
+                        else:
+                            tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
                         if SLOT32:
                             arm(rows, rmask, tl.float32)
                         else:
@@ -229,7 +237,10 @@ def finalize_ar_norm_kernel(
                 for c in range(CHUNKS):
                     col = c * BLOCK + offs
                     cmask = col < WIDTH
-                    s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0)
+                    if CHUNKS == 1:
+                        s = keep
+                    else:
+                        s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0)
                     g = tl.load(gamma_ptr + col, mask=cmask, other=0.0).to(tl.float32)
                     tl.store(normed_ptr + t64 * WIDTH + col, round_to(s * rstd * g, DTYPE), mask=cmask)
             t += nprog
