@@ -314,6 +314,19 @@ def test_gpu_loopback(W):
 
 
 @pytest.mark.gpu
+def test_gpu_w1_no_communication():
+    """W = 1 (no torch.distributed): the one-launch local path on the GPU, K3 shapes and odd ones."""
+    cases = [_case(width=K3_L, K=K3_K, M=M, max_tokens=64, residual=M == 4, seed=70 + M) for M in (1, 4, 16, 64)]
+    cases += [_case(width=520, K=6, M=5, max_tokens=8, shared=True, scale=1.5, dtype=torch.float16, seed=79),
+              _case("lane", width=K3_L, hidden=K3_H, K=K3_K, M=3, max_tokens=8, eps=1e-5, seed=80)]
+    res = []
+    for c in cases:
+        op = _build(c)
+        res.append(tuple(t.cpu() for t in _run_case(op, c, 0, device="cuda")))
+    _compare(cases, [res], 1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [2, 8])
 def test_gpu_cuda_graph_replay(W):
     """Capture one call per rank into a CUDA graph; replay with fresh inputs copied into the statics."""
