@@ -49,14 +49,14 @@ def launch(kernel, grid, *args, pdl: bool = False, num_warps: int = 4, **kwargs)
         key = (id(kernel), grid, tuple(type(a).__name__ if not isinstance(a, torch.Tensor)
                                        else (a.dtype, a.data_ptr() % 16 == 0) for a in args),
                tuple(sorted(kwargs.items())), num_warps, pdl)
+        if pdl:
+            kwargs["launch_pdl"] = True  # a compile option too: warm up the same variant
         if key not in _warm:
             compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps, **kwargs)
             init = getattr(compiled, "_init_handles", None)
             if init is not None:
                 init()
             _warm.add(key)
-        if pdl:
-            return kernel[grid](*args, num_warps=num_warps, launch_pdl=True, **kwargs)
     return kernel[grid](*args, num_warps=num_warps, **kwargs)
 
 
