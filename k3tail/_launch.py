@@ -27,13 +27,17 @@ def clock_arg(ws: Workspace) -> torch.Tensor:
 
 
 def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
-    """Most programs one rank may launch so that the grids of all ranks stay co-resident."""
+    """Most programs one rank may launch so that the spinning grids of all ranks stay
+    co-resident: one program per SM is resident whatever the kernel's registers and
+    shared memory, so a rank gets ``SMs`` programs, or ``SMs // W`` in loopback where W
+    virtual ranks share one GPU (a grid larger than what is resident can deadlock: seen
+    on the H200 at W=8).  Kernels are persistent and loop over their work items."""
     if interpret_mode() or device.type != "cuda":
         return 1 << 30
-    if isinstance(group, LoopbackGroup):
-        return group.world.max_ctas_per_rank
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms * max(1, 16 // num_warps)
+    if isinstance(group, LoopbackGroup):
+        return max(1, sms // group.world_size)
+    return sms
 
 
 _warm: set = set()

@@ -138,7 +138,7 @@ class LoopbackWorld:
     such as the capability vote can meet), and call them with :meth:`run` (one host
     thread issuing each rank's launches on that rank's stream, fork/joined with the
     current stream so the whole thing can be captured into one CUDA graph).  All W
-    grids must be co-resident on the GPU: ops cap their grids to ``max_ctas_per_rank``.
+    grids must be co-resident on the GPU: ops cap their grids with ``_launch.grid_cap``.
     """
 
     def __init__(self, world_size: int, device: Optional[torch.device] = None):
@@ -155,9 +155,6 @@ class LoopbackWorld:
         self._regions: dict = {}
         self._barrier = threading.Barrier(world_size)
         self._slots: List[Any] = [None] * world_size
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # Conservative co-residency budget: 4-warp CTAs, 8 per SM, shared by W ranks.
-        self.max_ctas_per_rank = max(1, (sms * 8) // world_size)
 
     def group(self, rank: int) -> "LoopbackGroup":
         if not 0 <= rank < self.world_size:
