@@ -1,0 +1,323 @@
+"""TAIL_FUSION (k3tail.tail.LatentTail): CPU ranks under the interpreter, GPU loopback.
+
+CPU: one k3tail.spawn per world size runs a batch of cases (small shape H 512 / L 256 /
+top-k 4 with materialized and deferred routed partials, two or three interleaved layer
+keys, a split-K / multi-slice tactic, fp16, the K3 shape at M = 1, 4, 16), plus M = 0
+and timeout/poison; the parent checks bitwise agreement across ranks and <= 1 ulp from
+the contract-faithful fp64 reference for >= 99.9% of elements, printing the signed bias.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import k3tail
+from k3tail import reference as R
+from k3tail import testing as T
+from k3tail.errors import PeerTimeout, WorkspacePoisoned
+
+SMALL = (512, 256, 4)
+K3 = (7168, 3584, 16)
+
+
+# ----------------------------------------------------------------------------- inputs
+def case_inputs(case: dict, W: int, device="cpu"):
+    """Deterministic inputs of one call: replicated ones and per-rank lists."""
+    H, Lt, K = case["shape"]
+    M, dt, sd = case["M"], case.get("dtype", torch.bfloat16), case["seed"]
+    prefix = T.randn((M, H), dt, sd, device=device)
+    gamma = (1.0 + 0.2 * T.randn((Lt,), torch.float32, sd + 1, neg_zeros=False)).to(dt).to(device)
+    wup = T.randn((H, Lt), dt, sd + 2, scale=Lt ** -0.5, device=device)
+    shared = [T.randn((M, H), dt, sd + 10 + r, scale=0.5, device=device) for r in range(W)]
+    if case["deferred"]:
+        routed = [dict(zip(("expert_out", "expert_weights", "expanded_idx"),
+                           T.moe_triple(M, K, Lt, dt, sd + 100 + r, device=device))) for r in range(W)]
+    else:
+        routed = [{"routed": T.randn((M, Lt), dt, sd + 100 + r, device=device)} for r in range(W)]
+    return prefix, gamma, wup, shared, routed
+
+
+def reference_out(case: dict, W: int):
+    prefix, gamma, wup, shared, routed = case_inputs(case, W)
+    scale = case.get("routed_scale", 1.0)
+    parts = [R.rank_partial(**rt, routed_scale=scale) for rt in routed]
+    return R.tail(prefix=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=wup,
+                  eps=1e-5, latent_dtype=case.get("dtype", torch.bfloat16))
+
+
+def make_tail(group, case: dict, **kw):
+    from k3tail.tail import LatentTail
+    H, Lt, K = case["shape"]
+    return LatentTail(group, hidden=H, latent=Lt, top_k=K, key=case["key"],
+                      dtype=case.get("dtype", torch.bfloat16), routed_scale=case.get("routed_scale", 1.0),
+                      tactics=case.get("tactics"), **kw)
+
+
+def call_tail(tail, case: dict, rank: int, W: int, device="cpu"):
+    prefix, gamma, wup, shared, routed = case_inputs(case, W, device)
+    S = wup.shape[0] // W
+    return tail(prefix=prefix, shared=shared[rank], norm_weight=gamma,
+                up_weight=wup[rank * S:(rank + 1) * S].contiguous(), **routed[rank])
+
+
+def check_case(case: dict, outs: list, W: int, what: str) -> dict:
+    for r in range(1, W):
+        assert torch.equal(outs[r].view(torch.int16), outs[0].view(torch.int16)), \
+            f"{what}: rank {r} differs from rank 0"
+    st = T.check_ulp(outs[0], reference_out(case, W), max_ulp=1.0, frac=0.999, what=what)
+    print(f"{what}: max_ulp {st['max_ulp']:.3f}  frac<=1ulp {st['frac_le_1ulp']:.6f}  "
+          f"bias {st['bias']:+.3e} (rel {st['rel_bias']:+.3e})")
+    return st
+
+
+def cpu_cases(W: int) -> list:
+    split = {"a_slices": 4, "b_split_k": 2, "b_block_n": 64, "b_block_k": 64, "c_block": 128, "c_programs": 3}
+    cases = [
+        dict(key="layer0", shape=SMALL, M=3, deferred=False, seed=1),
+        dict(key="layer1", shape=SMALL, M=5, deferred=True, seed=2, routed_scale=2.5),
+        dict(key="layer2", shape=SMALL, M=16, deferred=False, seed=3),   # shares layer0's set
+        dict(key="layer0", shape=SMALL, M=7, deferred=False, seed=4),
+        dict(key="layer1", shape=SMALL, M=1, deferred=True, seed=5, routed_scale=2.5),
+        dict(key="split", shape=SMALL, M=6, deferred=True, seed=7, tactics=split),
+    ]
+    if W == 2:
+        cases += [dict(key="fp16", shape=SMALL, M=4, deferred=True, seed=8, dtype=torch.float16),
+                  dict(key="k3", shape=K3, M=1, deferred=True, seed=20),
+                  dict(key="k3", shape=K3, M=4, deferred=False, seed=21),
+                  dict(key="k3", shape=K3, M=16, deferred=True, seed=22)]
+    elif os.environ.get("K3TAIL_TEST_K3_W4", "0") not in ("", "0"):  # +~40 s of CPU time
+        cases += [dict(key="k3", shape=K3, M=1, deferred=True, seed=30)]
+    return cases
+
+
+# ------------------------------------------------------------------ rank worker (CPU)
+def _worker(rank: int, W: int, cases: list, poison: bool):
+    import torch.distributed as dist
+    from k3tail.tail import LatentTail
+
+    tails, outs = {}, []
+    for c in cases:  # construction order is the same on every rank
+        if c["key"] not in tails:
+            tails[c["key"]] = make_tail(None, c, timeout_s=30.0)
+    t0 = time.time()
+    for c in cases:
+        outs.append(call_tail(tails[c["key"]], c, rank, W))
+    res = {"outs": outs, "calls_s": time.time() - t0}
+    # M = 0: empty output without communicating (only rank 0 calls it; nothing can hang)
+    if rank == 0:
+        c = dict(cases[0], M=0)
+        res["m0"] = tuple(call_tail(tails[c["key"]], c, rank, W).shape)
+    dist.barrier()
+    # hidden % W != 0 -> ValueError before any allocation (so ranks need not agree)
+    try:
+        LatentTail(None, hidden=8 * W * 4 + 1, latent=256, key="bad")
+        res["bad_hidden"] = "no error"
+    except ValueError as e:
+        res["bad_hidden"] = str(e)
+    if poison:
+        res.update(_poison_steps(rank, W))
+    return res
+
+
+def _poison_steps(rank: int, W: int) -> dict:
+    import torch.distributed as dist
+
+    c = dict(key="poison", shape=SMALL, M=2, deferred=True, seed=40)
+    tail = make_tail(None, c, timeout_s=1.5, pool_depth=1)  # its own pool
+    r = {"p1": tuple(call_tail(tail, c, rank, W).shape)}
+    dist.barrier()
+    if rank != W - 1:  # the last rank skips this call
+        t0 = time.time()
+        try:
+            call_tail(tail, c, rank, W)
+            r["p2"] = "no error"
+        except PeerTimeout as e:
+            r["p2"] = type(e).__name__
+        r["p2_s"] = time.time() - t0
+    dist.barrier()
+    t0 = time.time()
+    try:
+        call_tail(tail, c, rank, W)
+        r["p3"] = "no error"
+    except PeerTimeout as e:  # WorkspacePoisoned is a PeerTimeout
+        r["p3"] = type(e).__name__
+    r["p3_s"] = time.time() - t0
+    return r
+
+
+def _run_cpu(W: int, poison: bool):
+    cases = cpu_cases(W)
+    t0 = time.time()
+    res = k3tail.spawn(W, _worker, cases, poison, timeout=600)
+    print(f"\nW={W}: spawn wall {time.time() - t0:.1f} s (calls {res[0]['calls_s']:.1f} s on rank 0)")
+    for i, c in enumerate(cases):
+        check_case(c, [r["outs"][i] for r in res], W,
+                   f"W={W} {c['key']} H={c['shape'][0]} M={c['M']} {'deferred' if c['deferred'] else 'routed'}")
+    assert res[0]["m0"] == (0, cases[0]["shape"][0])
+    for r in res:
+        assert "divisible by the world size" in r["bad_hidden"], r["bad_hidden"]
+    return res
+
+
+def test_tail_cpu_w2():
+    res = _run_cpu(2, poison=True)
+    W = 2
+    for rank, r in enumerate(res):
+        assert r["p1"] == (2, SMALL[0])
+        if rank != W - 1:
+            assert r["p2"] == "PeerTimeout", r
+            assert r["p3"] == "WorkspacePoisoned" and r["p3_s"] < 1.0, r  # fails fast
+        else:
+            assert r["p3"] == "PeerTimeout", r  # its peers never run kernel B again
+
+
+def test_tail_cpu_w4():
+    _run_cpu(4, poison=False)
+
+
+# ------------------------------------------------------------------ single process (W = 1)
+def test_tail_w1_and_bad_inputs():
+    from k3tail.tail import LatentTail, shard_gemm
+
+    c = dict(key="w1", shape=SMALL, M=4, deferred=True, seed=50)
+    tail = make_tail(None, c)
+    check_case(c, [call_tail(tail, c, 0, 1)], 1, "W=1 deferred")
+    prefix, gamma, wup, shared, routed = case_inputs(c, 1)
+    good = dict(prefix=prefix, shared=shared[0], norm_weight=gamma, up_weight=wup, **routed[0])
+    tail(**good)
+
+    def bad(msg, **over):
+        kw = dict(good)
+        kw.update(over)
+        kw = {k: v for k, v in kw.items() if v is not None}
+        with pytest.raises(ValueError, match=msg):
+            tail(**kw)
+
+    H, Lt, K = SMALL
+    big = T.randn((17, H), torch.bfloat16, 1)
+    bad("max_tokens", prefix=big)
+    bad("shared", shared=shared[0][:3].contiguous())
+    bad("prefix", prefix=prefix.float())
+    bad("up_weight", up_weight=wup[:, :128].contiguous())
+    bad("up_weight", up_weight=wup.t().contiguous().t())  # non-contiguous
+    bad("norm_weight", norm_weight=gamma[:100].contiguous())
+    bad("expanded_idx", expanded_idx=routed[0]["expanded_idx"].long())
+    bad("either routed", routed=T.randn((4, Lt), torch.bfloat16, 2))
+    bad("pass routed", expanded_idx=None)
+    bad("top_k", expert_weights=routed[0]["expert_weights"][:, :2].contiguous(),
+        expanded_idx=routed[0]["expanded_idx"][:, :2].contiguous())
+    with pytest.raises(ValueError, match="max_tokens"):
+        LatentTail(hidden=H, latent=Lt, key="x", max_tokens=17)
+    with pytest.raises(ValueError, match="key"):
+        LatentTail(hidden=H, latent=Lt, key="")
+    with pytest.raises(ValueError, match="dtype"):
+        LatentTail(hidden=H, latent=Lt, key="x", dtype=torch.float32)
+    with pytest.raises(ValueError, match="tactics"):
+        LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_block_n": 24})
+    assert tail(**dict(good, prefix=prefix[:0], shared=shared[0][:0],
+                       expert_weights=routed[0]["expert_weights"][:0],
+                       expanded_idx=routed[0]["expanded_idx"][:0])).shape == (0, H)
+    # kernel B alone
+    a = T.randn((3, Lt), torch.bfloat16, 60)
+    w = T.randn((96, Lt), torch.bfloat16, 61, scale=Lt ** -0.5)
+    ref = R.f64(a).to(torch.bfloat16).double() @ R.f64(w).T
+    T.check_ulp(shard_gemm(a, w), ref, max_ulp=1.0, frac=0.999, what="shard_gemm")
+    T.check_ulp(shard_gemm(a, w, tactics={"b_split_k": 2, "b_block_k": 64, "b_block_n": 32}), ref,
+                max_ulp=1.0, frac=0.999, what="shard_gemm split")
+    # the pool: consecutive keys get different sets, the same key the same set
+    kw = dict(hidden=H, latent=Lt, pool_depth=2)
+    t_a, t_b, t_c, t_a2 = (LatentTail(key=k, **kw) for k in ("pA", "pB", "pC", "pA"))
+    assert t_a.ws is not t_b.ws and t_a.ws is t_c.ws and t_a2.ws is t_a.ws
+    nb = LatentTail.workspace_bytes(hidden=7168, latent=3584, world_size=8, max_tokens=16, pool_depth=2,
+                                    num_layers=61)
+    print(f"symmetric bytes per rank, 61 layers, W=8: {nb / 2**20:.2f} MiB")
+    assert nb <= 32 * 2**20
+
+
+# ------------------------------------------------------------------ GPU loopback
+def _gpu_world(W):
+    T.no_multicast()
+    world = k3tail.LoopbackWorld(W)
+    groups = [world.group(r) for r in range(W)]  # one group object per rank, reused
+    return world, groups
+
+
+def _gpu_inputs(case, W):
+    prefix, gamma, wup, shared, routed = case_inputs(case, W, device="cuda")
+    S = wup.shape[0] // W
+    return [dict(prefix=prefix, shared=shared[r], norm_weight=gamma,
+                 up_weight=wup[r * S:(r + 1) * S].contiguous(), **routed[r]) for r in range(W)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_tail_gpu_loopback(W, pdl, monkeypatch):
+    if pdl:
+        monkeypatch.delenv("K3TAIL_DISABLE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("K3TAIL_DISABLE_PDL", "1")
+    world, groups = _gpu_world(W)
+    base = dict(key=f"gpu{W}{pdl}", shape=K3, deferred=True)
+    tails = world.build(lambda r: make_tail(groups[r], dict(base, M=16), timeout_s=20.0))
+    tails2 = world.build(lambda r: make_tail(groups[r], dict(base, key=base["key"] + "b", M=16),
+                                             timeout_s=20.0))
+    # eager: M = 1, 4, 16, both keys interleaved, materialized and deferred
+    for i, (M, deferred) in enumerate([(1, True), (4, False), (16, True), (16, False), (3, True)]):
+        c = dict(base, M=M, deferred=deferred, seed=1000 + i)
+        ins = _gpu_inputs(c, W)
+        tl_ = tails if i % 2 == 0 else tails2
+        outs = world.run(lambda r: tl_[r](**ins[r]))
+        for t in tl_:
+            t.check()
+        check_case(c, [o.cpu() for o in outs], W, f"loopback W={W} pdl={pdl} M={M}")
+    # CUDA graph: 100 replays with fresh inputs copied into static buffers
+    M = 16
+    static = _gpu_inputs(dict(base, M=M, seed=2000), W)
+    world.run(lambda r: tails[r](**static[r]))
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gouts = world.run(lambda r: tails[r](**static[r]))
+    for rep in range(100):
+        c = dict(base, M=M, seed=3000 + rep)
+        fresh = _gpu_inputs(c, W)
+        for r in range(W):
+            for k, v in fresh[r].items():
+                static[r][k].copy_(v)
+        for o in gouts:
+            T.poison_(o)
+        g.replay()
+        torch.cuda.synchronize()
+        outs = [o.cpu() for o in gouts]
+        for r in range(1, W):
+            assert torch.equal(outs[r].view(torch.int16), outs[0].view(torch.int16)), f"replay {rep} rank {r}"
+        if rep % 20 == 0 or rep == 99:
+            check_case(c, outs, W, f"graph replay {rep} W={W} pdl={pdl}")
+    for t in tails:
+        t.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [2, 8])
+def test_tail_gpu_timeout_poison(W):
+    world, groups = _gpu_world(W)
+    c = dict(key=f"poison{W}", shape=K3, M=4, deferred=True, seed=77)
+    tails = world.build(lambda r: make_tail(groups[r], c, timeout_s=0.5, pool_depth=1))
+    ins = _gpu_inputs(c, W)
+    world.run(lambda r: tails[r](**ins[r]))
+    for t in tails:
+        t.check()
+    world.run(lambda r: tails[r](**ins[r]) if r != W - 1 else None)  # the last rank skips
+    torch.cuda.synchronize()
+    for r in range(W - 1):
+        with pytest.raises(PeerTimeout):
+            tails[r].check()
+        t0 = time.time()
+        with pytest.raises(WorkspacePoisoned):
+            tails[r](**ins[r])
+        assert time.time() - t0 < 0.5
