@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole GPU check in one device call: install offline, then the phases named on the
+# command line (default: tests).  Phases: tests, bench, cli.  Logs and results go to $OUT.
+#   bash bench/gpu_check.sh tests
+#   bash bench/gpu_check.sh bench cli
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+bash bench/gpu_smoke.sh
+phases=${*:-tests}
+for phase in $phases; do
+  case $phase in
+    tests)
+      timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests} -m gpu -q -rfE -p no:cacheprovider \
+        -o timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Timeout|[0-9.]+ ulp|us " ;;
+    bench)
+      for b in ${BENCHES:-bench_allreduce bench_finalize bench_tail}; do
+        echo "== $b"; timeout ${BENCH_TIMEOUT:-200} python3 bench/$b.py --out bench/results 2>&1 | tee -a "$OUT/bench.log" | tail -25
+      done ;;
+    cli)
+      echo "== k3tail bench"; timeout 280 k3tail -v bench 2>&1 | tee -a "$OUT/cli.log" | tail -30
+      echo "== k3tail tune"; timeout 250 k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20 ;;
+  esac
+done
+tar czf "$OUT/results.tgz" bench/results k3tail/tables 2>/dev/null
+ls -la bench/results | tail -20
