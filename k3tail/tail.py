@@ -202,8 +202,10 @@ class LatentTail:
         if dtype not in L.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         for name, v in (("hidden", hidden), ("latent", latent)):
-            if not isinstance(v, int) or v <= 0 or v % 8:
-                raise ValueError(f"{name} must be a positive multiple of 8, got {v}")
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v}")
+        if latent % 8:
+            raise ValueError(f"latent must be a multiple of 8, got {latent}")
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= BLOCK_M:
             raise ValueError(f"max_tokens must be an int in 1..{BLOCK_M} (TAIL_FUSION capacity), got {max_tokens}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
@@ -224,8 +226,8 @@ class LatentTail:
             W, rank = comm.world_size, comm.rank
         if hidden % W:
             raise ValueError(f"hidden ({hidden}) must be divisible by the world size ({W})")
-        if (hidden // W) % 8:
-            raise ValueError(f"hidden / world size ({hidden // W}) must be a multiple of 8")
+        if hidden % 8 or (hidden // W) % 8:
+            raise ValueError(f"hidden ({hidden}) and hidden / world size ({hidden // W}) must be multiples of 8")
         self.group, self.comm, self.rank, self.world_size = group, comm, rank, W
         self.hidden, self.latent, self.shard = hidden, latent, hidden // W
         self.top_k, self.eps, self.routed_scale = top_k, float(eps), float(routed_scale)
