@@ -1,0 +1,219 @@
+"""The ``k3tail`` console script and the CPU-testable parts of ``k3tail bench`` / ``k3tail tune``."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3tail import bench as B
+from k3tail import tune as TU
+
+REPO = Path(__file__).resolve().parent.parent
+HAS_CUDA = torch.cuda.is_available()
+SUBCOMMANDS = ("demo", "doctor", "bench", "tune")
+
+
+def k3tail(*argv, timeout=300):
+    """The real entry point in a fresh interpreter (``python -m k3tail.cli``): slow to start
+    (imports torch), so only a few tests use it; the others call ``cli.main`` in-process."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-m", "k3tail.cli", *argv], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=str(REPO))
+    return p.returncode, p.stdout + p.stderr
+
+
+def inproc(capsys, *argv):
+    """``cli.main(argv)`` in this process -> (exit code, stdout + stderr)."""
+    from k3tail import cli
+
+    msg = ""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse --help / usage errors, SystemExit("message")
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        msg = e.code if isinstance(e.code, str) else ""
+    out = capsys.readouterr()
+    return rc, out.out + out.err + msg
+
+
+def test_top_level_help_lists_subcommands():
+    rc, out = k3tail("--help")
+    assert rc == 0, out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_subcommand_help(sub, capsys):
+    rc, out = inproc(capsys, sub, "--help")
+    assert rc == 0, out
+    assert f"k3tail {sub}" in out
+    if sub in ("bench", "tune"):
+        assert "--world-sizes" in out and "GPU" in out
+
+
+def test_unknown_subcommand_fails(capsys):
+    rc, out = inproc(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice" in out
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU message; this machine has a GPU")
+def test_bench_on_cpu_exits_2_with_message(tmp_path):
+    rc, out = k3tail("bench", "--out-dir", str(tmp_path))
+    print(out)
+    assert rc == 2, out
+    assert "k3tail bench: needs a CUDA GPU" in out
+    assert "Traceback" not in out
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU message; this machine has a GPU")
+def test_tune_on_cpu_exits_2_with_message(tmp_path, capsys):
+    rc, out = inproc(capsys, "tune", "--out", str(tmp_path / "t.json"))
+    assert rc == 2, out
+    assert "k3tail tune: needs a CUDA GPU" in out
+    assert not any(tmp_path.iterdir())
+
+
+def test_doctor_exits_0(capsys):
+    rc, out = inproc(capsys, "doctor")
+    if "not implemented yet" in out:
+        pytest.skip("k3tail doctor is still the placeholder (issue 5 lands it)")
+    print(out)
+    assert rc == 0, out
+    for tier in ("TAIL_FUSION", "CUTE_FINALIZE", "MULTIMEM_AR", "FUSED_LANE_AR", "SEPARATE_REDUCE"):
+        assert tier in out
+
+
+def test_demo_smallest_exits_0(capsys):
+    rc, out = inproc(capsys, "demo", "--world-size", "2", "--tokens", "1", "--small")
+    print(out)
+    assert rc == 0, out
+
+
+# ------------------------------------------------------------ bench helpers (CPU)
+def test_parse_ints():
+    assert B.parse_ints("1,2, 4") == [1, 2, 4]
+    assert B.parse_ints("8 16") == [8, 16]
+    import argparse
+    for bad in ("", "1,x", "0,2", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            B.parse_ints(bad)
+
+
+def test_summarize_median_p99():
+    s = B.summarize([float(x) for x in range(1, 101)])
+    assert s["median_us"] == 50.5 and s["p99_us"] == 99.0 and s["min_us"] == 1.0 and s["n"] == 100
+    s = B.summarize([5.0, 1.0, 3.0])
+    assert s["median_us"] == 3.0 and s["p99_us"] == 5.0
+    assert B.summarize([])["median_us"] is None
+
+
+def test_tier_ranges_follow_caps():
+    from k3tail.module import TailConfig
+    from k3tail.tiers import TailCaps
+
+    cfg = TailConfig(max_tokens=8192)
+    assert B.tier_ranges(TailCaps(), cfg) == {"SEPARATE_REDUCE": (1, 8192)}
+    r = B.tier_ranges(TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=64), cfg)
+    assert r == {"SEPARATE_REDUCE": (1, 8192), "FUSED_LANE_AR": (1, 8192), "TAIL_FUSION": (1, 16)}
+    # a tuned threshold that lowered the caps does not hide the capacity from the bench
+    r = B.tier_ranges(TailCaps(tail_fusion_max_tokens=4, fused_ar=True, lane_max_tokens=64), cfg)
+    assert r["TAIL_FUSION"] == (1, 16)
+    r = B.tier_ranges(TailCaps(multimem=True, fused_ar=True, lane_max_tokens=64, cute_max_tokens=8), cfg)
+    assert r["MULTIMEM_AR"] == (256, 8192) and r["CUTE_FINALIZE"] == (1, 8)
+
+
+def test_prefix_threshold_and_crossovers():
+    assert TU.prefix_threshold({1: True, 2: True, 4: False, 8: True}, 16) == 2
+    assert TU.prefix_threshold({1: True, 16: True}, 16) == 16
+    assert TU.prefix_threshold({1: False}, 16) == 0
+    assert TU.prefix_threshold({}, 16) == 0
+
+    def pt(tier, M, us):
+        return {"tier": tier, "M": M, "phase": "graph", "median_us": us}
+
+    pts = [pt("TAIL_FUSION", 1, 10), pt("FUSED_LANE_AR", 1, 20), pt("SEPARATE_REDUCE", 1, 40),
+           pt("TAIL_FUSION", 8, 15), pt("FUSED_LANE_AR", 8, 21), pt("SEPARATE_REDUCE", 8, 41),
+           pt("TAIL_FUSION", 16, 30), pt("FUSED_LANE_AR", 16, 25), pt("SEPARATE_REDUCE", 16, 45),
+           pt("FUSED_LANE_AR", 64, 50), pt("SEPARATE_REDUCE", 64, 60),
+           pt("FUSED_LANE_AR", 256, 200), pt("SEPARATE_REDUCE", 256, 150),
+           {"tier": "SEPARATE_REDUCE", "M": 1, "phase": "eager", "median_us": 1.0}]
+    caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 256}
+    assert TU.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}
+    # without the lane collective, TAIL_FUSION is held against SEPARATE_REDUCE
+    caps = {"tail_fusion_max_tokens": 16, "fused_ar": False, "lane_max_tokens": 0}
+    assert TU.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 16}
+    assert TU.crossover_thresholds(pts, {}) == {}
+
+
+def test_tune_specs_cover_the_ops_tactic_keys():
+    """The sweep spaces only use keys the ops accept (an unknown key would be rejected)."""
+    from k3tail.module import TailConfig
+
+    cfg = TailConfig()
+    lt = TU.SPECS["LatentTail"].space(True, 8, cfg)
+    from k3tail import tail
+    known = set(tail._default_tactics(hidden=7168, latent=3584, W=8, device=torch.device("cpu")))
+    assert set(lt) <= known, set(lt) - known
+    for name in ("LaneAllReduce", "FinalizeAllReduceRMSNorm"):
+        for full in (False, True):
+            sp = TU.SPECS[name].space(full, 8, cfg)
+            assert set(sp) <= {"block", "num_warps"}
+            assert all(b * 8 <= 32768 for b in sp["block"])
+    assert set(TU.SPECS["project"].space(True, 8, cfg)) <= {"triton_max_m", "block_n", "block_k", "num_warps"}
+    with pytest.raises(ValueError):
+        TU.SPECS["project"].build(None, cfg, {"block_n": 24}, "t", 1.0, 16)
+    assert TU.spec_shape(cfg) == "H=7168,K=16,L=3584,dtype=bf16"
+
+
+def test_write_results_and_meta(tmp_path):
+    from k3tail.tiers import Tier
+
+    meta = B.results_meta(loopback=True)
+    for k in ("device", "gpus", "loopback", "commit", "date", "torch", "triton"):
+        assert k in meta
+    assert meta["loopback"] is True and meta["torch"] == torch.__version__
+    assert meta["commit"] == "unknown" or len(meta["commit"].split("+")[0]) == 40
+    p = B.write_results("x", {**meta, "tier": Tier.TAIL_FUSION, "v": math.nan, "rows": [(1, math.inf)]},
+                        tmp_path / "sub")
+    data = json.loads(p.read_text())
+    assert data["tier"] == "TAIL_FUSION" and data["v"] is None and data["rows"] == [[1, None]]
+
+
+def _fake_results():
+    pts, base = [], []
+    for M in (1, 2, 4, 8, 16, 64, 256):
+        for tier, f in (("TAIL_FUSION", 1.0), ("FUSED_LANE_AR", 1.5), ("SEPARATE_REDUCE", 3.0)):
+            if tier == "TAIL_FUSION" and M > 16:
+                continue
+            for phase in ("graph", "eager"):
+                if phase == "eager" and tier == "TAIL_FUSION":
+                    continue
+                pts.append({"tier": tier, "M": M, "phase": phase, "median_us": f * (10 + M), "p99_us": f * (12 + M)})
+        base.append({"name": "cublas_projection", "M": M, "phase": "graph", "median_us": 5 + M / 8})
+    sel = {"graph": {str(M): ("TAIL_FUSION" if M <= 16 else "FUSED_LANE_AR") for M in (1, 2, 4, 8, 16, 64, 256)},
+           "eager": {str(M): "FUSED_LANE_AR" for M in (1, 2, 4, 8, 16, 64, 256)}}
+    return {"worlds": [{"world_size": W, "points": pts, "baselines": base, "selected": sel} for W in (2, 8)]}
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = B.tier_map_plot(_fake_results(), tmp_path / "tm.png", title="fake")
+    assert png is not None and png.stat().st_size > 10_000
+    png = B.line_plot({"a": [(1, 2.0), (2, 3.0)], "b": [(1, None), (4, 1.0)]}, tmp_path / "l.png", title="t")
+    assert png is not None and png.stat().st_size > 1000
+
+
+def test_bench_plot_module_reexports():
+    spec = importlib.util.spec_from_file_location("k3tail_bench_plot", REPO / "bench" / "plot.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name in ("results_meta", "write_results", "line_plot", "tier_map_plot", "summarize"):
+        assert getattr(mod, name) is getattr(B, name)
