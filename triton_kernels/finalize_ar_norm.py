@@ -34,7 +34,8 @@ loop; the same token -> program map on every rank).  For its token t it
 2. *reduces*: for every chunk polls its local slots of all W sources ([W_P2, BLOCK] tile,
    bounded wait), sums them in rank order in fp32 (+ residual), stores the fp32 sum into
    its scratch row, accumulates the sum of squares, writes ``residual_out`` (rounded once)
-   and re-arms the slots it read; the lane's shared chunks are summed the same way and
+   and re-arms the slots it read (``lamport.rearm``: a CTA barrier first, so no thread of
+   the CTA clears an element another thread has not read yet); the lane's shared chunks are summed the same way and
    written to ``shared_sum`` (fp32);
 3. *normalizes*: ``rstd = rsqrt(ssq / WIDTH + eps)``, then chunk by chunk
    ``round(scratch * rstd * gamma)``.  Phase 3 reads back what the same program wrote in
@@ -64,7 +65,7 @@ skips the rest of its work (outputs of that call are undefined; the host raises)
 import triton
 import triton.language as tl
 
-from .lamport import (arm, canonicalize, finish_launch, is_poisoned, now_ns, round_to, wait_ready)
+from .lamport import (canonicalize, finish_launch, is_poisoned, now_ns, rearm, round_to, wait_ready)
 
 
 @triton.jit
@@ -212,9 +213,9 @@ def finalize_ar_norm_kernel(
                         else:
                             tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
                         if SLOT32:
-                            arm(rows, rmask, tl.float32)
+                            rearm(rows, rmask, tl.float32)  # CTA barrier first (lamport.rearm)
                         else:
-                            arm(rows, rmask, DTYPE)
+                            rearm(rows, rmask, DTYPE)
                 for c in range(CHUNKS_SH):
                     col = c * BLOCK + offs
                     cmask = col < SH
@@ -229,7 +230,7 @@ def finalize_ar_norm_kernel(
                             p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + WIDTH + col
                             v += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
                         tl.store(shsum_ptr + t64 * SH + col, v, mask=cmask)
-                        arm(rows, rmask, DTYPE)
+                        rearm(rows, rmask, DTYPE)
             # ---- phase 3: RMSNorm from the fp32 scratch row (written by this program)
             tl.debug_barrier()
             if ok:
