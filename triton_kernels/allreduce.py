@@ -6,9 +6,10 @@ Buffers (per rank, identical layout; see ``lamport.py`` for the slot protocol)::
 
 Who writes what.  Work item (token t, chunk c) is owned by one program on every rank.
 That program canonicalizes its chunk of ``x[t]`` and stores it into slot
-``data[stage][rank][t][chunk]`` of *every* rank (itself included).  It then polls its
-local ``data[stage][0..W-1][t][chunk]``, sums the W rows in rank order in fp32, rounds
-once, writes ``out[t][chunk]`` and re-arms the slots it read (it is their only reader).
+``data[stage][rank][t][chunk]`` of *every* rank (itself included); it publishes all its
+items first.  It then polls its local ``data[stage][0..W-1][t][chunk]``, sums the W rows
+in rank order in fp32, rounds once, writes ``out[t][chunk]`` and re-arms the slots it
+read (it is their only reader; the re-arm follows a CTA barrier, see ``lamport.py``).
 
 Who re-arms what, and why it cannot race.  The consumer re-arms; ``stage`` rotates over
 3 slot sets on the device-side counter in the control block (advanced by the last
@@ -25,7 +26,8 @@ only waits for items that the peers' program p handles in the same order.
 import triton
 import triton.language as tl
 
-from .lamport import (canonicalize, rearm, now_ns, is_poisoned, wait_ready, finish_launch, round_to)
+from .lamport import (canonicalize, rearm, now_ns, is_poisoned, wait_ready, finish_launch, round_to,
+                      peer_ptr)
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns"])
@@ -49,9 +51,13 @@ def oneshot_allreduce_kernel(
     DTYPE = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     srcs = tl.arange(0, W_P2)
-    my_base = tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE))
+    my_base = peer_ptr(table_ptr, rank, DTYPE)
     n_items = M * CHUNKS
     if not is_poisoned(ctrl_ptr):
+        # Phase 1: publish every item this program owns (stores are fire-and-forget, so
+        # the polls of phase 2 overlap with the peers' pushes).  Program p of every rank
+        # owns the same items, so under the interpreter program p only waits for what the
+        # peers' program p published in its own phase 1.
         item = pid
         while item < n_items:
             t = item // CHUNKS
@@ -60,9 +66,14 @@ def oneshot_allreduce_kernel(
             x = canonicalize(tl.load(x_ptr + t * WIDTH + col, mask=cmask, other=0.0))
             slot_off = stage * STAGE_ELEMS + rank * SLOT + t * WIDTH
             for d in tl.static_range(W):
-                peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
-                tl.store(peer + slot_off + col, x, mask=cmask)
-            # poll the local slots of all W sources for this (token, chunk)
+                tl.store(peer_ptr(table_ptr, d, DTYPE) + slot_off + col, x, mask=cmask)
+            item += nprog
+        # Phase 2: poll the local slots of all W sources, sum in rank order, re-arm.
+        item = pid
+        while item < n_items:
+            t = item // CHUNKS
+            col = (item % CHUNKS) * BLOCK + offs
+            cmask = col < WIDTH
             rows = stage * STAGE_ELEMS + srcs[:, None] * SLOT + t * WIDTH + col[None, :]
             rmask = (srcs[:, None] < W) & cmask[None, :]
             ok = wait_ready(my_base + rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr,

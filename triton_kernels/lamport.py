@@ -127,6 +127,15 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def peer_ptr(table_ptr, rank, DTYPE: tl.constexpr):
+    """Base pointer of ``rank``'s region from the peer table, typed ``DTYPE``.  Region bases
+    are at least 16-byte aligned (page-aligned allocations); telling the compiler lets it
+    vectorize the remote stores and local polls."""
+    base = tl.multiple_of(tl.load(table_ptr + rank), 16)
+    return base.to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
 def now_ns(clock_ptr, USE_GLOBALTIMER: tl.constexpr):
     """Current time in ns: device global timer, or the host clock page (interpreter)."""
     if USE_GLOBALTIMER:
