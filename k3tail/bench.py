@@ -486,7 +486,8 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                     else:
                         res = time_eager(step, budget_s=budget_s)
                 except Exception as e:  # record and go on: one broken tier must not lose the map
-                    torch.cuda.synchronize()
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
                     skipped.append({"tier": tname, "M": M, "phase": phase, "why": f"{type(e).__name__}: {e}"})
                     progress(f"  W={W} M={M:>5} {tname:<16} {phase:<5} FAILED: {type(e).__name__}: {e}")
                     continue
@@ -587,6 +588,9 @@ def add_arguments(parser):
     parser.add_argument("--out-dir", default="bench/results", help="where JSON and PNG go (default %(default)s)")
     parser.add_argument("--name", default=None, help="results file stem (default tier_map_<device>)")
     parser.add_argument("--no-plot", action="store_true", help="JSON only")
+    parser.add_argument("--lane-max-tokens", type=int, default=None,
+                        help="lane collective capacity of the K3MoETail built (default: the module's)")
+    parser.add_argument("--timeout-s", type=float, default=20.0, help="peer wait timeout (default %(default)s)")
 
 
 def _slug(text: str) -> str:
@@ -623,7 +627,10 @@ def main(args) -> int:
     for W in world_sizes:
         cfg = make_config(args, max(ms), W)
         t0 = time.perf_counter()
-        rig = _Rig(W, cfg, multiproc=multiproc)
+        kw = {"timeout_s": args.timeout_s}
+        if args.lane_max_tokens is not None:
+            kw["lane_max_tokens"] = args.lane_max_tokens
+        rig = _Rig(W, cfg, multiproc=multiproc, module_kwargs=kw)
         say(f"W={W}: built in {time.perf_counter() - t0:.1f} s; caps {rig.caps}; "
             f"tiers {list(tier_ranges(rig.caps, cfg))}")
         try:

@@ -198,7 +198,7 @@ class _Project:
 
     def resolved(self) -> dict:
         # project()'s own defaults on CUDA (k3tail/projection.py), filled in for the table
-        t = {"block_n": 16 if self.n <= 4096 else 32, "block_k": 256, "num_warps": 4}
+        t = {"block_n": 16 if self.n <= 4096 else 32, "block_k": 256, "num_warps": 4, "triton_max_m": 16}
         return {**t, **self.tactic}
 
     def __call__(self, *args, **kwargs):
@@ -218,9 +218,11 @@ class ProjectSpec(Spec):
         return [1, 4, 16] if full else [1, 16]
 
     def space(self, full, W, cfg):
+        # triton_max_m 0: every M takes the cuBLAS path (measured against the Triton one)
         if full:
-            return {"block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512], "num_warps": [2, 4, 8]}
-        return {"block_n": [16, 32, 64], "block_k": [128, 256, 512], "num_warps": [4, 8]}
+            return {"block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512], "num_warps": [2, 4, 8],
+                    "triton_max_m": [0, 1, 2, 4, 8, 16]}
+        return {"block_n": [16, 32, 64], "block_k": [128, 256, 512], "num_warps": [4, 8], "triton_max_m": [0, 1, 16]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         t = dict(tactic or {})
@@ -293,7 +295,8 @@ def evaluate(spec: Spec, world, cfg, tactic: dict, ms: Sequence[int], *, tag: st
             if callable(chk):
                 chk()
     except Exception as e:  # noqa: BLE001 - a failing candidate is skipped, not fatal
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return {"score": math.inf, "us": us, "resolved": resolved, "error": f"{type(e).__name__}: {e}"}
     return {"score": sum(us.values()), "us": us, "resolved": resolved, "error": None}
 
@@ -469,10 +472,12 @@ def main(args) -> int:
         # share the time left evenly among the remaining W; 60% of a W's share for the sweeps
         share = budget.left() / (len(args.world_sizes) - wi)
         sweep_deadline = Budget(None if math.isinf(share) else max(1.0, 0.6 * share))
-        for kname in kernels:
+        for ki, kname in enumerate(kernels):
             spec = SPECS[kname]
+            # each remaining kernel gets an equal share of what is left of this W's sweep time
+            kdl = Budget(None if sweep_deadline.end is None else max(0.5, sweep_deadline.left() / (len(kernels) - ki)))
             r = sweep_kernel(spec, world, cfg, full=args.full, timeout_s=args.timeout_s, budget_s=args.budget_s,
-                             seed=args.seed, deadline=sweep_deadline, say=say)
+                             seed=args.seed, deadline=kdl, say=say)
             if r is not None:
                 key = T.make_key(spec.name, world_size=W, shape=spec.shape(cfg), **fields)
                 table.put(key, r.pop("tactic"), us=r.pop("us"), info={**info_common, **r})

@@ -217,3 +217,189 @@ def test_bench_plot_module_reexports():
     spec.loader.exec_module(mod)
     for name in ("results_meta", "write_results", "line_plot", "tier_map_plot", "summarize"):
         assert getattr(mod, name) is getattr(B, name)
+
+
+# ------------------------------------------- bench/tune control flow with fakes (CPU)
+class _FakeTail:
+    """Stands in for K3MoETail: checks every call against the real forward signature."""
+
+    def __init__(self, caps):
+        import inspect
+
+        from k3tail.module import K3MoETail
+
+        self.caps = caps
+        self._params = set(inspect.signature(K3MoETail.forward).parameters) - {"self"}
+        self.calls = []
+
+    def tier_for(self, num_tokens, graph_phase):
+        from k3tail.tiers import select_tier
+        return select_tier(num_tokens=num_tokens, graph_phase=graph_phase, caps=self.caps)
+
+    def possible(self, tier, num_tokens):
+        return None
+
+    def __call__(self, **kw):
+        assert set(kw) <= self._params, set(kw) - self._params
+        M = kw["prefix_hidden"].shape[0]
+        if kw.get("routed") is None:
+            assert kw["expanded_idx"].shape == (M, 4) and kw["expanded_idx"].dtype == torch.int32
+            assert kw["expert_out"].shape == (M * 4, 32)
+        else:
+            assert kw["routed"].shape == (M, 32)
+        assert kw["up_weight"].shape == (64 // 2, 32)
+        self.calls.append((M, kw["tier"].name, kw["graph_phase"]))
+        return torch.empty_like(kw["prefix_hidden"])
+
+
+class _FakeRig:
+    def __init__(self, caps, W=2):
+        from k3tail.module import TailConfig
+
+        self.W, self.ranks, self.device = W, list(range(W)), torch.device("cpu")
+        self.cfg = TailConfig(hidden=64, latent=32, top_k=4, max_tokens=64)
+        self.caps = caps
+        self.mods = [_FakeTail(caps) for _ in range(W)]
+
+    def run(self, fn):
+        return [fn(r) for r in range(self.W)]
+
+
+def _fake_timer(cost):
+    def timer(step, **kw):
+        step(0)
+        step(1)
+        us = cost()
+        return {**B.summarize([us, us * 1.1]), "calls": 2, "replays": 2}
+    return timer
+
+
+def test_bench_world_control_flow_with_fakes(monkeypatch, tmp_path):
+    from k3tail.tiers import TailCaps
+
+    rng = iter(range(1, 10_000))
+    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: float(next(rng))))
+    monkeypatch.setattr(B, "time_eager", _fake_timer(lambda: float(next(rng))))
+    caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
+    rig = _FakeRig(caps)
+    res = B.bench_world(rig, [1, 16, 64], tiers=None, phases=["graph", "eager"], deferred=True, budget_s=0.01,
+                        max_calls=3, progress=print)
+    got = {(p["tier"], p["M"], p["phase"]) for p in res["points"]}
+    assert ("TAIL_FUSION", 16, "graph") in got and ("TAIL_FUSION", 64, "graph") not in got
+    assert not any(t == "TAIL_FUSION" and ph == "eager" for t, _, ph in got)
+    assert ("FUSED_LANE_AR", 64, "eager") in got and ("SEPARATE_REDUCE", 1, "graph") in got
+    assert res["selected"]["graph"] == {"1": "TAIL_FUSION", "16": "TAIL_FUSION", "64": "FUSED_LANE_AR"}
+    assert res["selected"]["eager"]["1"] == "FUSED_LANE_AR"
+    assert [b["M"] for b in res["baselines"]] == [1, 16, 64]
+    sep = [p for p in res["points"] if p["tier"] == "SEPARATE_REDUCE"]
+    assert all(p["speedup_vs_separate_reduce"] == 1.0 for p in sep)
+    assert any(s["tier"] == "TAIL_FUSION" and s["M"] == 64 for s in res["skipped"])
+    calls = rig.mods[1].calls
+    assert ("TAIL_FUSION", True) in {(t, g) for _, t, g in calls}
+    payload = {**B.results_meta(loopback=True), "worlds": [res]}
+    path = B.write_results("fake_tier_map", payload, tmp_path)
+    json.loads(path.read_text())
+    if importlib.util.find_spec("matplotlib"):
+        assert B.tier_map_plot(payload, tmp_path / "fake.png") is not None
+    B._print_summary([res], print)
+    # tier filter and the crossovers derived from the same points
+    res2 = B.bench_world(rig, [1], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False, budget_s=0.01,
+                         max_calls=1, baselines=False, progress=print)
+    assert {p["tier"] for p in res2["points"]} == {"SEPARATE_REDUCE"} and not res2["baselines"]
+    th = TU.crossover_thresholds(res["points"], B._caps_dict(caps))
+    assert set(th) == {"tail_fusion_max_tokens", "lane_max_tokens"}
+
+
+class _FakeSpec(TU.Spec):
+    name = "Fake"
+    best = {"a": 3, "b": 10}
+
+    def ms(self, full):
+        return [1, 4]
+
+    def space(self, full, W, cfg):
+        return {"a": [1, 2, 3, 99], "b": [10, 20]}
+
+    def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
+        if tactic.get("a") == 99:
+            raise ValueError("tactics['a'] too big")
+        t = {"a": 1, "b": 20, **tactic}
+        return [t, t]
+
+    def resolved(self, ops):
+        return dict(ops[0])
+
+    def step_for(self, world, ops, cfg, M, seed):
+        _FakeSpec.current = ops[0]
+        return lambda i: None
+
+
+def test_tune_coordinate_descent_with_fakes(monkeypatch):
+    def cost():
+        t = _FakeSpec.current
+        return 10.0 + abs(t["a"] - 3) * 5 + (0 if t["b"] == 10 else 7)
+    monkeypatch.setattr(B, "time_graph", _fake_timer(cost))
+
+    class W2:
+        world_size = 2
+
+    lines = []
+    r = TU.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
+                        deadline=TU.Budget(None), say=lines.append)
+    print(*lines, sep="\n")
+    assert r["tactic"] == {"a": 3, "b": 10} and r["default"] == {"a": 1, "b": 20}
+    assert r["us"] == pytest.approx(2 * 10.5) and r["default_us"] == pytest.approx(2 * 28.35)
+    assert any("a=99: skipped (rejected" in s for s in lines)
+    assert r["candidates"] == 5 and r["skipped"] == 0
+    # an exhausted budget measures the default only and says so
+    lines.clear()
+    r = TU.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
+                        deadline=TU.Budget(1e-9), say=lines.append)
+    assert r["candidates"] == 1 and r["skipped"] == 4 and r["tactic"] == {"a": 1, "b": 20}
+    assert any("time budget exhausted" in s for s in lines)
+
+
+def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, capsys):
+    """`k3tail tune` end to end with the GPU parts faked: entries keyed as K3MoETail looks them
+    up, crossovers stored, an existing table merged, progress printed."""
+    import k3tail.workspace as WS
+    from k3tail import tuning as T
+
+    fields = {"device_name": "Fake GPU", "sm": "9.0", "triton": "3.6.0"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(T, "device_fields", lambda device=None: dict(fields))
+    monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+                                                          "torch": "t", "triton": "3.6.0", **kw})
+
+    class FakeWorld:
+        def __init__(self, W):
+            self.world_size = W
+    monkeypatch.setattr(WS, "LoopbackWorld", FakeWorld)
+    monkeypatch.setattr(TU, "SPECS", {"Fake": _FakeSpec()})
+    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
+
+    def fake_cross(world, cfg_kwargs, ms, **kw):
+        return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}, "points": [],
+                "caps": {"tail_fusion_max_tokens": 16}}
+    monkeypatch.setattr(TU, "tune_crossovers", fake_cross)
+    out = tmp_path / "table.json"
+    old = T.TacticTable()
+    keep = T.make_key("Other", world_size=2, shape="x", **fields)
+    old.put(keep, {"z": 1})
+    T.save_table(old, out)
+    rc, text = inproc(capsys, "tune", "--kernels", "Fake", "--world-sizes", "2,3,4", "--out", str(out))
+    print(text)
+    assert rc == 0, text
+    tab = T.load_table(out)
+    shape = "H=7168,K=16,L=3584,dtype=bf16"
+    assert tab.get(keep)["tactic"] == {"z": 1}
+    for W in (2, 4):
+        hit = T.lookup(tab, "Fake", world_size=W, shape=shape, default={}, **fields)
+        assert hit == {"a": 1, "b": 20}  # a=1 is the cheapest under this fake timer
+        assert tab.get(T.make_key("Fake", world_size=W, shape=shape, **fields))["info"]["loopback"] is True
+        assert T.crossovers(tab, world_size=W, shape=shape, **fields) == {"tail_fusion_max_tokens": 8,
+                                                                            "lane_max_tokens": 64}
+    assert "W=3] skipped" in text  # 7168 is not a multiple of 8*3
+    assert "[tune W=2 Fake] default" in text and "table saved" in text
