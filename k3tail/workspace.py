@@ -155,11 +155,13 @@ class LoopbackWorld:
         self._regions: dict = {}
         self._barrier = threading.Barrier(world_size)
         self._slots: List[Any] = [None] * world_size
+        self._groups = [LoopbackGroup(self, r) for r in range(world_size)]
 
     def group(self, rank: int) -> "LoopbackGroup":
+        """Rank ``rank``'s group (the same object every time: it counts the rank's workspaces)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
-        return LoopbackGroup(self, rank)
+        return self._groups[rank]
 
     def build(self, fn: Callable[[int], Any]) -> list:
         """Run ``fn(rank)`` for every rank in its own thread (for collective construction)."""
