@@ -190,6 +190,11 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
             if base and phase == "graph":
                 ax.plot([m for m, _ in base], [t for _, t in base], ls="--", color="black", lw=1,
                         label="cuBLAS projection only")
+            proj = sorted((b["M"], b["median_us"]) for b in wres.get("baselines", [])
+                          if b["name"] == "k3tail_project" and b.get("median_us") is not None)
+            if proj and phase == "graph":
+                ax.plot([m for m, _ in proj], [t for _, t in proj], ls=":", color="black", lw=1,
+                        label="k3tail.project only")
             chosen = wres.get("selected", {}).get(phase, {})
             first = True
             for m_str, tier in chosen.items():
@@ -510,7 +515,25 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             progress(f"  W={W} M={M:>5} {'cuBLAS proj.':<16} graph median {res['median_us']:9.2f} us")
         except Exception as e:
             skipped.append({"tier": "cublas_projection", "M": M, "why": f"{type(e).__name__}: {e}"})
-        del inputs, normed
+        # k3tail.project: the same GEMM with the tiers' epilogue (fp32 prefix + shared, one rounding)
+        from .projection import project
+
+        cols = [slice(rk * rows, (rk + 1) * rows) if cfg.shard_up_proj else slice(0, cfg.hidden)
+                for rk in rig.ranks]  # the columns rank rk's projection produces
+        pre = [inputs[k]["prefix_hidden"][:, cols[k]].contiguous() for k in range(len(rig.ranks))]
+        shs = [inputs[k]["shared"][:, cols[k]].float().contiguous() for k in range(len(rig.ranks))]
+
+        def proj(i):
+            return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix=pre[k],
+                                             shared_sum=shs[k], out_dtype=cfg.dtype))
+
+        try:
+            res = time_graph(proj, max_calls=max_calls, budget_s=budget_s / 2)
+            base_pts.append({"name": "k3tail_project", "M": M, "phase": "graph", **res})
+            progress(f"  W={W} M={M:>5} {'k3tail.project':<16} graph median {res['median_us']:9.2f} us")
+        except Exception as e:
+            skipped.append({"tier": "k3tail_project", "M": M, "why": f"{type(e).__name__}: {e}"})
+        del inputs, normed, pre, shs
     # ratios against SEPARATE_REDUCE at the same (M, phase)
     ref = {(p["M"], p["phase"]): p["median_us"] for p in points if p["tier"] == "SEPARATE_REDUCE"}
     for p in points:
@@ -661,18 +684,22 @@ def main(args) -> int:
             "budget_s_per_point": args.budget_s,
         },
         "baselines": "SEPARATE_REDUCE is the unfused reference (speedup_vs_separate_reduce per point); "
-                     "cublas_projection times torch.matmul(normed, up_weight_shard.T) per rank alone",
+                     "cublas_projection times torch.matmul(normed, up_weight_shard.T) per rank alone; "
+                     "k3tail_project times k3tail.project (the same GEMM with the fp32 prefix + shared "
+                     "epilogue and one rounding) per rank alone",
         "worlds": worlds,
+        "figures": [],
         "seconds": time.perf_counter() - t_start,
     }
-    path = write_results(name, payload, args.out_dir)
-    say(f"wrote {path}")
     if not args.no_plot:
-        png = tier_map_plot(payload, path.with_suffix(".png"),
+        png = tier_map_plot(payload, Path(args.out_dir) / f"{name}.png",
                             title=f"k3tail tier map: {meta['device']}, H={args.hidden} L={args.latent} "
                                   f"K={args.top_k} {args.dtype}{', loopback' if not multiproc else ''}")
         if png:
+            payload["figures"].append(png.name)
             say(f"wrote {png}")
+    path = write_results(name, payload, args.out_dir)
+    say(f"wrote {path}")
     _print_summary(worlds, say)
     say(f"total {time.perf_counter() - t_start:.1f} s")
     return 0

@@ -218,10 +218,35 @@ def load_table(path=None) -> TacticTable:
     """
     if path is not None:
         return read_table(path)
+    override = os.environ.get(TABLE_ENV, "")
+    sig = (_mtime(SHIPPED_TABLE), override, _mtime(override) if override else None)
+    with _cache_lock:
+        hit = _cache.get(sig)
+    if hit is not None:  # one read per process, not one per layer (files unchanged)
+        return copy.deepcopy(hit)
+    table = _load_uncached(override)
+    with _cache_lock:
+        _cache.clear()
+        _cache[sig] = copy.deepcopy(table)
+    return table
+
+
+_cache: Dict[tuple, TacticTable] = {}
+_cache_lock = threading.Lock()
+
+
+def _mtime(path) -> Optional[tuple]:
+    try:
+        st = os.stat(path)
+        return (st.st_mtime_ns, st.st_size)
+    except OSError:
+        return None
+
+
+def _load_uncached(override: str) -> TacticTable:
     table = TacticTable(source=str(SHIPPED_TABLE))
     if SHIPPED_TABLE.is_file():
         table = read_table(SHIPPED_TABLE)
-    override = os.environ.get(TABLE_ENV, "")
     if override:
         try:
             extra = read_table(override)

@@ -256,7 +256,7 @@ class _FakeRig:
     def __init__(self, caps, W=2):
         from k3tail.module import TailConfig
 
-        self.W, self.ranks, self.device = W, list(range(W)), torch.device("cpu")
+        self.W, self.ranks, self.device, self.multiproc = W, list(range(W)), torch.device("cpu"), False
         self.cfg = TailConfig(hidden=64, latent=32, top_k=4, max_tokens=64)
         self.caps = caps
         self.mods = [_FakeTail(caps) for _ in range(W)]
@@ -290,7 +290,8 @@ def test_bench_world_control_flow_with_fakes(monkeypatch, tmp_path):
     assert ("FUSED_LANE_AR", 64, "eager") in got and ("SEPARATE_REDUCE", 1, "graph") in got
     assert res["selected"]["graph"] == {"1": "TAIL_FUSION", "16": "TAIL_FUSION", "64": "FUSED_LANE_AR"}
     assert res["selected"]["eager"]["1"] == "FUSED_LANE_AR"
-    assert [b["M"] for b in res["baselines"]] == [1, 16, 64]
+    assert sorted((b["name"], b["M"]) for b in res["baselines"]) == sorted(
+        (n, m) for n in ("cublas_projection", "k3tail_project") for m in (1, 16, 64))
     sep = [p for p in res["points"] if p["tier"] == "SEPARATE_REDUCE"]
     assert all(p["speedup_vs_separate_reduce"] == 1.0 for p in sep)
     assert any(s["tier"] == "TAIL_FUSION" and s["M"] == 64 for s in res["skipped"])

@@ -150,3 +150,17 @@ def test_rank_agreement_cpu_ranks(W, tmp_path):
         assert out["tac_fields"] == res[0]["tac_fields"]
         assert out["tac_choice"] == res[0]["tac_choice"] == {"num_warps": 4, "BLOCK_N": 64, "tag": "rank0"}
         assert out["own_fields_hit"] == {"miss": 1}
+
+
+def test_load_table_is_cached_but_sees_changes(tmp_path, monkeypatch):
+    p = tmp_path / "over.json"
+    T.save_table(_table("one"), p)
+    monkeypatch.setenv(T.TABLE_ENV, str(p))
+    a = T.load_table()
+    b = T.load_table()
+    assert a is not b and a.entries == b.entries  # copies: a caller mutating one never affects others
+    a.entries.clear()
+    assert len(T.load_table()) >= 2
+    T.save_table(_table("two-changed"), p)
+    key = T.make_key("LatentTail", world_size=4, shape=K3, **FIELDS)
+    assert T.load_table().get(key)["tactic"]["tag"] == "two-changed"
