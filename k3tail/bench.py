@@ -448,8 +448,16 @@ def up_rows(cfg, W: int) -> int:
 
 def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]], phases: Sequence[str],
                 deferred: bool, budget_s: float, max_calls: int, seed: int = 0, baselines: bool = True,
+                deadline: Optional[float] = None,
                 progress: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Time every possible tier (and the cuBLAS projection) at every M for one W."""
+    """Time every possible tier (and the cuBLAS projection) at every M for one W.
+
+    ``deadline`` (a ``time.perf_counter()`` value): points not started by then are recorded
+    as skipped (the decision is rank 0's under torchrun, so every rank skips the same)."""
+
+    def out_of_time() -> bool:
+        return deadline is not None and bool(_rank_uniform_int(int(time.perf_counter() > deadline)))
+
     Tier = _tier_enum()
     cfg, W = rig.cfg, rig.W
     ranges = tier_ranges(rig.caps, cfg)
@@ -472,6 +480,8 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             possible = getattr(rig.mods[0], "possible", None)
             if why is None and callable(possible):
                 why = possible(tier, M)
+            if why is None and out_of_time():
+                why = "time budget (--max-seconds) exhausted"
             if why is not None:
                 skipped.append({"tier": tname, "M": M, "why": why})
                 continue
@@ -499,7 +509,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                 points.append({"tier": tname, "M": M, "phase": phase, **res})
                 progress(f"  W={W} M={M:>5} {tname:<16} {phase:<5} median {res['median_us']:9.2f} us  "
                          f"p99 {res['p99_us']:9.2f} us  ({res['replays']} x {res['calls']} calls)")
-        if not baselines:
+        if not baselines or out_of_time():
             del inputs
             continue
         # cuBLAS projection baseline: what every tier's GEMM costs on its own (graph replay)
@@ -614,6 +624,9 @@ def add_arguments(parser):
     parser.add_argument("--lane-max-tokens", type=int, default=None,
                         help="lane collective capacity of the K3MoETail built (default: the module's)")
     parser.add_argument("--timeout-s", type=float, default=20.0, help="peer wait timeout (default %(default)s)")
+    parser.add_argument("--max-seconds", type=float, default=240.0,
+                        help="time budget: points not started by then are skipped and listed as such "
+                             "(default %(default)s; 0 = none)")
 
 
 def _slug(text: str) -> str:
@@ -646,6 +659,7 @@ def main(args) -> int:
     say(f"k3tail bench on {meta['device']} ({'torchrun, %d processes' % world_sizes[0] if multiproc else 'loopback'})"
         f": W={world_sizes}, M={ms}, H={args.hidden} L={args.latent} K={args.top_k} {args.dtype}, "
         f"{'routed' if args.routed else 'deferred triple'}")
+    deadline = t_start + args.max_seconds if args.max_seconds and args.max_seconds > 0 else None
     worlds = []
     for W in world_sizes:
         cfg = make_config(args, max(ms), W)
@@ -659,7 +673,7 @@ def main(args) -> int:
         try:
             wres = bench_world(rig, ms, tiers=args.tiers, phases=args.phases, deferred=not args.routed,
                                budget_s=args.budget_s, max_calls=max(1, args.max_calls), seed=args.seed,
-                               progress=say)
+                               deadline=deadline, progress=say)
         finally:
             rig.close()
         wres["seconds"] = time.perf_counter() - t0

@@ -26,7 +26,7 @@ are kept.  A loopback measurement shares one GPU among W ranks; entries say so
 (``info.loopback``).
 
 The default run is sized to finish in about 4 minutes on an H200 (``--max-seconds``,
-default 230: when the budget runs out, the remaining candidates are skipped and said so;
+default 200: when the budget runs out, the remaining candidates are skipped and said so;
 what was measured is still written).
 """
 
@@ -427,7 +427,7 @@ def add_arguments(parser):
     parser.add_argument("--timeout-s", type=float, default=5.0,
                         help="peer wait timeout of the ops built for tuning (default %(default)s)")
     parser.add_argument("--max-seconds", type=float, default=None,
-                        help="overall time budget (default 230, or none with --full; 0 = none)")
+                        help="overall time budget (default 200, or none with --full; 0 = none)")
 
 
 def main(args) -> int:
@@ -443,7 +443,7 @@ def main(args) -> int:
     if bad:
         print(f"k3tail tune: unknown kernel(s) {bad}; known: {list(SPECS)}", file=sys.stderr)
         return 2
-    max_s = args.max_seconds if args.max_seconds is not None else (None if args.full else 230.0)
+    max_s = args.max_seconds if args.max_seconds is not None else (None if args.full else 200.0)
     budget = Budget(max_s or None)
     say = lambda s: print(s, flush=True)  # noqa: E731
     out = T.SHIPPED_TABLE if args.out is None else args.out

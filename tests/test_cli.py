@@ -404,3 +404,15 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
                                                                             "lane_max_tokens": 64}
     assert "W=3] skipped" in text  # 7168 is not a multiple of 8*3
     assert "[tune W=2 Fake] default" in text and "table saved" in text
+
+
+def test_bench_world_deadline_skips_points(monkeypatch):
+    from k3tail.tiers import TailCaps
+
+    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 1.0))
+    monkeypatch.setattr(B, "time_eager", _fake_timer(lambda: 1.0))
+    rig = _FakeRig(TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8))
+    res = B.bench_world(rig, [1, 2], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
+                        deadline=0.0, progress=print)
+    assert not res["points"] and not res["baselines"]
+    assert all("time budget" in s["why"] for s in res["skipped"]) and len(res["skipped"]) == 6
