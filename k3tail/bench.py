@@ -698,9 +698,10 @@ def main(args) -> int:
             "budget_s_per_point": args.budget_s,
         },
         "baselines": "SEPARATE_REDUCE is the unfused reference (speedup_vs_separate_reduce per point); "
-                     "cublas_projection times torch.matmul(normed, up_weight_shard.T) per rank alone; "
-                     "k3tail_project times k3tail.project (the same GEMM with the fp32 prefix + shared "
-                     "epilogue and one rounding) per rank alone",
+                     "cublas_projection times every rank's torch.matmul(normed, up_weight_shard.T) alone; "
+                     "k3tail_project times every rank's k3tail.project (the same GEMM with the fp32 prefix + "
+                     "shared epilogue and one rounding) alone (loopback: the W ranks' GEMMs run concurrently "
+                     "on the one GPU, as inside the tiers)",
         "worlds": worlds,
         "figures": [],
         "seconds": time.perf_counter() - t_start,

@@ -374,14 +374,15 @@ def crossover_thresholds(points: List[Dict[str, Any]], caps_alloc: Dict[str, Any
     tf_cap = int(caps_alloc.get("tail_fusion_max_tokens") or 0)
     if tf_cap:
         alt = "FUSED_LANE_AR" if caps_alloc.get("fused_ar") else "SEPARATE_REDUCE"
-        wins = {m: t[("TAIL_FUSION", m)] <= t[(alt, m)] for m in ms
-                if m <= tf_cap and ("TAIL_FUSION", m) in t and (alt, m) in t}
+        # an M where the tier failed (timed out, raised) while the alternative ran counts as a loss
+        wins = {m: ("TAIL_FUSION", m) in t and t[("TAIL_FUSION", m)] <= t[(alt, m)] for m in ms
+                if m <= tf_cap and (alt, m) in t}
         if wins:
             out["tail_fusion_max_tokens"] = prefix_threshold(wins, tf_cap)
     lane_cap = int(caps_alloc.get("lane_max_tokens") or 0)
     if caps_alloc.get("fused_ar") and lane_cap:
-        wins = {m: t[("FUSED_LANE_AR", m)] <= t[("SEPARATE_REDUCE", m)] for m in ms
-                if m <= lane_cap and ("FUSED_LANE_AR", m) in t and ("SEPARATE_REDUCE", m) in t}
+        wins = {m: ("FUSED_LANE_AR", m) in t and t[("FUSED_LANE_AR", m)] <= t[("SEPARATE_REDUCE", m)]
+                for m in ms if m <= lane_cap and ("SEPARATE_REDUCE", m) in t}
         if wins:
             out["lane_max_tokens"] = prefix_threshold(wins, lane_cap)
     return out

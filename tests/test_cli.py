@@ -151,6 +151,10 @@ def test_prefix_threshold_and_crossovers():
     caps = {"tail_fusion_max_tokens": 16, "fused_ar": False, "lane_max_tokens": 0}
     assert TU.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 16}
     assert TU.crossover_thresholds(pts, {}) == {}
+    # a tier that failed at an M (no point) while the alternative ran loses there
+    pts2 = [p for p in pts if not (p["tier"] == "FUSED_LANE_AR" and p["M"] == 64)]
+    caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 64}
+    assert TU.crossover_thresholds(pts2, caps)["lane_max_tokens"] == 16
 
 
 def test_tune_specs_cover_the_ops_tactic_keys():
