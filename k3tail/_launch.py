@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -41,26 +43,47 @@ def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
 
 
 _warm: set = set()
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def warm_only():
+    """Inside this context :func:`launch` compiles and loads kernels but launches nothing.
+
+    ``LoopbackWorld.run`` makes one such pass over every rank before the real one: a
+    module load while another virtual rank's kernel spins blocks until that kernel gives
+    up (TRITON_NOTES 2; seen on the H200 as a 20 s timeout when a tail's second kernel
+    was loaded while its first one spun), so every variant must be loaded before the
+    first launch of any rank."""
+    prev = getattr(_mode, "warm_only", False)
+    _mode.warm_only = True
+    try:
+        yield
+    finally:
+        _mode.warm_only = prev
 
 
 def launch(kernel, grid, *args, pdl: bool = False, num_warps: int = 4, **kwargs):
     """Launch ``kernel``; on CUDA compile and load its variant first (never while a peer spins).
 
     Loading a module while another virtual rank's kernel spins can hang the process
-    (TRITON_NOTES 2), so every variant is compiled and loaded before its first launch.
+    (TRITON_NOTES 2), so every variant is compiled and loaded before its first launch
+    (and, in loopback, before any rank launches anything: :func:`warm_only`).
     """
     if not interpret_mode():
-        key = (id(kernel), grid, tuple(type(a).__name__ if not isinstance(a, torch.Tensor)
-                                       else (a.dtype, a.data_ptr() % 16 == 0) for a in args),
-               tuple(sorted(kwargs.items())), num_warps, pdl)
         if pdl:
             kwargs["launch_pdl"] = True  # a compile option too: warm up the same variant
+        key = (id(kernel), tuple(type(a).__name__ if not isinstance(a, torch.Tensor)
+                                 else (a.dtype, a.data_ptr() % 16 == 0) for a in args),
+               tuple(sorted(kwargs.items())), num_warps)
         if key not in _warm:
             compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps, **kwargs)
             init = getattr(compiled, "_init_handles", None)
             if init is not None:
                 init()
             _warm.add(key)
+        if getattr(_mode, "warm_only", False):
+            return None
     return kernel[grid](*args, num_warps=num_warps, **kwargs)
 
 

@@ -191,7 +191,20 @@ class LoopbackWorld:
         return results
 
     def run(self, fn: Callable[[int], Any]) -> list:
-        """Issue ``fn(rank)`` for every rank on that rank's stream; return the results."""
+        """Issue ``fn(rank)`` for every rank on that rank's stream; return the results.
+
+        Outside CUDA-graph capture, ``fn`` first runs once per rank with kernel launches
+        suppressed (``_launch.warm_only``), so every Triton variant is compiled and loaded
+        before any rank's kernel can spin (a module load blocks while one does).  ``fn``
+        must therefore only launch work (no host reads of its results).
+        """
+        if not torch.cuda.is_current_stream_capturing():
+            from ._launch import warm_only
+
+            with warm_only():
+                for r, s in enumerate(self.streams):
+                    with torch.cuda.stream(s):
+                        fn(r)
         cur = torch.cuda.current_stream(self.device)
         out = []
         for r, s in enumerate(self.streams):

@@ -96,7 +96,7 @@ mailboxes) on a poisoned workspace.  The host raises ``PeerTimeout`` / ``Workspa
 import triton
 import triton.language as tl
 
-from .lamport import (_INTERPRET, arm, canonicalize, is_poisoned, now_ns, round_to, wait_ready)
+from .lamport import (_INTERPRET, canonicalize, is_poisoned, now_ns, rearm, round_to, wait_ready)
 
 BLOCK_M = 16        # M padded to 16 for tl.dot (TAIL_FUSION capacity is 16 tokens)
 PAD_BYTES_SIZE = 4096
@@ -171,7 +171,7 @@ def tail_a_kernel(
                                    volatile=True)
                 tl.store(sum_ptr + t * LATENT + col, acc, mask=lmask)
                 tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(acc * acc))
-                arm(my_routed + rrows, rmask, tl.float32)
+                rearm(my_routed + rrows, rmask, tl.float32)  # barrier first (lamport.py)
                 # ---- poll local rs slots (t, 0..W-1), own shard slice, fp32 sum, re-arm
                 srows = (t * W + srcs[:, None]) * SHARD + cs[None, :]
                 sm2 = (srcs[:, None] < W) & smask[None, :]
@@ -183,7 +183,7 @@ def tail_a_kernel(
                         sacc += tl.load(my_rs + (t * W + r) * SHARD + cs, mask=smask, other=0.0,
                                         volatile=True).to(tl.float32)
                     tl.store(rs32_ptr + t * SHARD + cs, sacc, mask=smask)
-                    arm(my_rs + srows, sm2, DTYPE)
+                    rearm(my_rs + srows, sm2, DTYPE)
                     # ---- the program completing token t normalizes the row
                     old = tl.atomic_add(cnt_ptr + t, 1)  # acq_rel: sees the others' sum32/sq
                     if old == SLICES - 1:
@@ -327,5 +327,5 @@ def tail_c_kernel(
             if ok:
                 v = tl.load(ptrs, mask=cmask, other=0.0, volatile=True)
                 tl.store(out_ptr + t * HIDDEN + col, v, mask=cmask)
-                arm(ptrs, cmask, DTYPE)
+                rearm(ptrs, cmask, DTYPE)
             item += nprog
