@@ -235,7 +235,9 @@ class K3MoETail(nn.Module):
     a different prefix from its base layer).  Construction is collective (see the module
     docstring).  Extra keyword arguments: ``lane_max_tokens`` (lane collective capacity,
     default 64), ``tactics_table`` (a ``k3tail.tuning.TacticTable`` to agree instead of the
-    shipped one), ``tactics`` (passed to the ops), ``timeout_s``, ``pool_depth``.
+    shipped one), ``tactics`` (per-op tactic dicts, identical on every rank:
+    ``{"LatentTail": {...}, "LaneAllReduce": {...}, "project": {...}}``), ``timeout_s``,
+    ``pool_depth``.
 
     Public: :meth:`tier_for`, :attr:`caps` (agreed, selector thresholds applied),
     :attr:`negotiated` (local probes, agreed vote, possible tiers and why not).
@@ -258,6 +260,11 @@ class K3MoETail(nn.Module):
             raise ValueError(f"lane_max_tokens must be a non-negative int, got {lane_max_tokens!r}")
         self.config = dataclasses.replace(config)
         self.prefix, self.timeout_s = prefix, float(timeout_s)
+        tactics = dict(tactics or {})
+        unknown = set(tactics) - {"LatentTail", "LaneAllReduce", "project"}
+        if unknown:
+            raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: LatentTail, LaneAllReduce, project)")
+        self._proj_tactics = tactics.get("project")
         self.group = group
         if group is None and not dist.is_initialized():
             self.comm = SoloComm()
@@ -320,13 +327,14 @@ class K3MoETail(nn.Module):
                 self._tail = LatentTail(group, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
                                         routed_scale=cfg.routed_scale, max_tokens=alloc_caps.tail_fusion_max_tokens,
                                         dtype=cfg.dtype, key=prefix, pool_depth=pool_depth,
-                                        timeout_s=self.timeout_s, tactics=tactics)
+                                        timeout_s=self.timeout_s, tactics=tactics.get("LatentTail"))
             if alloc_caps.fused_ar and alloc_caps.lane_max_tokens > 0:
                 from .finalize import LaneAllReduce
                 self._lane = LaneAllReduce(group, latent=cfg.latent, hidden=cfg.hidden,
                                            max_tokens=alloc_caps.lane_max_tokens, top_k=cfg.top_k, eps=cfg.eps,
                                            routed_scale=cfg.routed_scale, dtype=cfg.dtype,
-                                           timeout_s=self.timeout_s, tactics=tactics, device=self.device)
+                                           timeout_s=self.timeout_s, tactics=tactics.get("LaneAllReduce"),
+                                           device=self.device)
             if self.loopback and W > 1:
                 chunk = min(LOOPBACK_CHUNK, cfg.max_tokens)
                 self._lb_routed = _LoopbackFp32AllReduce(self.comm, width=cfg.latent, chunk=chunk,
@@ -524,9 +532,11 @@ class K3MoETail(nn.Module):
 
         c = self.config
         if not c.shard_up_proj:
-            return project(normed, up_weight, prefix=prefix, shared_sum=shared_sum, out_dtype=c.dtype)
+            return project(normed, up_weight, prefix=prefix, shared_sum=shared_sum, out_dtype=c.dtype,
+                           tactics=self._proj_tactics)
         cols = self.shard_cols
-        y = project(normed, up_weight, prefix=prefix[:, cols], shared_sum=shared_sum[:, cols], out_dtype=c.dtype)
+        y = project(normed, up_weight, prefix=prefix[:, cols], shared_sum=shared_sum[:, cols], out_dtype=c.dtype,
+                    tactics=self._proj_tactics)
         return self._gather_cols(y)
 
     def _own_rows(self, up_weight):
@@ -592,7 +602,7 @@ class K3MoETail(nn.Module):
         cols = self.shard_cols
         partial = shared.float()
         partial[:, cols] = project(normed, self._own_rows(up_weight), shared_sum=partial[:, cols].contiguous(),
-                                   out_dtype=torch.float32)
+                                   out_dtype=torch.float32, tactics=self._proj_tactics)
         total = self._allreduce_fp32(partial, "shared")
         return (prefix.float() + total).to(self.config.dtype)
 

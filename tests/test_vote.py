@@ -1,0 +1,132 @@
+"""The capability vote: rank-divergent probes agree on the same caps and tiers (one MIN
+all-reduce per construction), the probe hooks, caps_from, and `k3tail doctor`."""
+
+import os
+
+import pytest
+import torch
+
+import k3tail
+from k3tail import testing as T
+from k3tail.tiers import Tier, TailCaps
+from k3tail.vote import VOTE_FIELDS, caps_from
+
+CFG = dict(hidden=96, latent=32, top_k=4, max_tokens=40)  # hidden/W = 32 at W=3
+
+
+def _vote_worker(rank, W):
+    from k3tail.workspace import DistComm
+
+    votes = []
+    orig = DistComm.all_reduce_min
+
+    def counting(self, values):
+        if len(values) == len(VOTE_FIELDS):
+            votes.append(list(values))
+        return orig(self, values)
+
+    DistComm.all_reduce_min = counting
+    cfg = k3tail.TailConfig(**CFG)
+    out = {}
+
+    def build(name, **kw):
+        n0 = len(votes)
+        m = k3tail.K3MoETail(cfg, prefix=f"vote.{name}", **kw)
+        tiers = [int(m.tier_for(M, gp)) for M in range(0, cfg.max_tokens + 1) for gp in (False, True)]
+        out[name] = dict(caps=m.caps, tiers=tiers, n_votes=len(votes) - n0, local=m.negotiated["local"],
+                         why_not=m.negotiated["why_not"], possible=m.negotiated["possible"])
+        return m
+
+    build("base", lane_max_tokens=8 + rank)  # rank-divergent capacity: MIN wins
+    if rank == 1:
+        os.environ["K3TAIL_DISABLE_LATENT_TAIL"] = "1"
+    m = build("no_tail")
+    os.environ.pop("K3TAIL_DISABLE_LATENT_TAIL", None)
+    # forcing the tier the vote turned off raises on every rank (before any communication)
+    M = 2
+    eo, w, idx = T.moe_triple(M, 4, 32, torch.bfloat16, 1)
+    try:
+        m(prefix_hidden=T.randn((M, 96), torch.bfloat16, 2), shared=T.randn((M, 96), torch.bfloat16, 3),
+          norm_weight=T.randn((32,), torch.bfloat16, 4), up_weight=T.randn((32, 32), torch.bfloat16, 5),
+          expert_out=eo, expert_weights=w, expanded_idx=idx, tier=Tier.TAIL_FUSION)
+        out["forced"] = "no error"
+    except k3tail.TierUnavailable as e:
+        out["forced"] = str(e)
+    if rank == 2:
+        os.environ["K3TAIL_FAKE_P2P_FAIL"] = "1"
+    build("no_p2p")
+    os.environ.pop("K3TAIL_FAKE_P2P_FAIL", None)
+    return out
+
+
+def test_rank_divergent_probes_agree():
+    W = 3
+    res = k3tail.spawn(W, _vote_worker)
+    for name in ("base", "no_tail", "no_p2p"):
+        for r in range(W):
+            assert res[r][name]["caps"] == res[0][name]["caps"], (name, r)
+            assert res[r][name]["tiers"] == res[0][name]["tiers"], (name, r)
+            assert res[r][name]["n_votes"] == 1, f"{name}: rank {r} ran {res[r][name]['n_votes']} votes"
+        print(name, res[0][name]["caps"], res[0][name]["possible"])
+    base, no_tail, no_p2p = (res[0][n] for n in ("base", "no_tail", "no_p2p"))
+    assert base["caps"] == TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8,
+                                    multimem_max_tokens=40)
+    assert set(base["possible"]) == {"TAIL_FUSION", "FUSED_LANE_AR", "SEPARATE_REDUCE"}
+    # one rank's env disables the latent tail: off everywhere, the lane stays
+    assert no_tail["caps"].tail_fusion_max_tokens == 0 and no_tail["caps"].fused_ar
+    assert res[1]["no_tail"]["local"]["latent_tail_env"] == 0 and res[0]["no_tail"]["local"]["latent_tail_env"] == 1
+    assert "K3TAIL_DISABLE_LATENT_TAIL=1" in no_tail["why_not"]["TAIL_FUSION"]
+    assert set(no_tail["tiers"]) == {int(Tier.FUSED_LANE_AR)}
+    for r in range(W):
+        assert "TAIL_FUSION" in res[r]["forced"] and "not possible" in res[r]["forced"], res[r]["forced"]
+    # one rank's P2P probe fails: every Lamport tier off everywhere
+    assert res[2]["no_p2p"]["local"]["p2p"] == 0 and res[0]["no_p2p"]["local"]["p2p"] == 1
+    assert no_p2p["caps"].tail_fusion_max_tokens == 0 and not no_p2p["caps"].fused_ar
+    assert set(no_p2p["tiers"]) == {int(Tier.SEPARATE_REDUCE)}
+    assert "P2P" in no_p2p["why_not"]["FUSED_LANE_AR"]
+
+
+def _agreed(**over):
+    a = {f: 1 for f in VOTE_FIELDS}
+    a.update(sm=90, sm100_family=0, multicast=0, symm_mem=1, flashinfer_cute=0, cute_max_tokens=0,
+             tail_max_tokens=16, lane_max_tokens=64, multimem_max_tokens=8192)
+    a.update(over)
+    return a
+
+
+def test_caps_from():
+    caps, why = caps_from(_agreed())
+    assert caps == TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=64)
+    assert set(why) == {Tier.CUTE_FINALIZE, Tier.MULTIMEM_AR}
+    caps, why = caps_from(_agreed(multicast=1))  # where multicast is agreed (never here)
+    assert caps.multimem and caps.multimem_min_tokens == 256
+    caps, why = caps_from(_agreed(multicast=1, fused_ar_env=0))
+    assert not caps.multimem and not caps.fused_ar and caps.tail_fusion_max_tokens == 16
+    caps, why = caps_from(_agreed(hidden_div_w=0))
+    assert caps.tail_fusion_max_tokens == 0 and caps.fused_ar
+    caps, why = caps_from(_agreed(has_project=0))
+    assert Tier.SEPARATE_REDUCE in why
+
+
+def test_doctor_cli(capsys):
+    from k3tail.cli import main
+
+    assert main(["doctor", "--hidden", "96", "--latent", "32", "--top-k", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "local probes" in text and "p2p" in text
+    for t in Tier:
+        assert t.name in text
+    assert "SEPARATE_REDUCE  possible" in text and "MULTIMEM_AR      NOT possible" in text
+    assert "CUTE_FINALIZE    NOT possible" in text
+    if not torch.cuda.is_available():
+        assert "TAIL_FUSION      possible" in text and "FUSED_LANE_AR    possible" in text
+
+
+def test_doctor_env_switch(monkeypatch):
+    from k3tail.doctor import report
+
+    monkeypatch.setenv("K3TAIL_DISABLE_LATENT_TAIL", "1")
+    text = report(hidden=96, latent=32, top_k=4, world_size=3)
+    assert "TAIL_FUSION      NOT possible: K3TAIL_DISABLE_LATENT_TAIL=1" in text
+    text = report(hidden=100 * 8, latent=32, top_k=4, world_size=3)
+    assert "hidden is not a multiple of 8*W" in text
