@@ -510,7 +510,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                 progress(f"  W={W} M={M:>5} {tname:<16} {phase:<5} median {res['median_us']:9.2f} us  "
                          f"p99 {res['p99_us']:9.2f} us  ({res['replays']} x {res['calls']} calls)")
         if not baselines or out_of_time():
-            del inputs
+            inputs = None  # release this M's tensors before the next M allocates its own
             continue
         # cuBLAS projection baseline: what every tier's GEMM costs on its own (graph replay)
         normed = [torch.randn(M, cfg.latent, device=dev, generator=_gen(dev, seed + r)).to(cfg.dtype)
@@ -543,7 +543,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             progress(f"  W={W} M={M:>5} {'k3tail.project':<16} graph median {res['median_us']:9.2f} us")
         except Exception as e:
             skipped.append({"tier": "k3tail_project", "M": M, "why": f"{type(e).__name__}: {e}"})
-        del inputs, normed, pre, shs
+        inputs = normed = pre = shs = None  # release this M's tensors before the next M
     # ratios against SEPARATE_REDUCE at the same (M, phase)
     ref = {(p["M"], p["phase"]): p["median_us"] for p in points if p["tier"] == "SEPARATE_REDUCE"}
     for p in points:

@@ -45,7 +45,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional
 
 log = logging.getLogger("k3tail")
 
