@@ -304,12 +304,14 @@ def time_graph(step: Callable[[int], Any], *, max_calls: int = 8, target_replay_
 
 
 def time_eager(step: Callable[[int], Any], *, budget_s: float = 0.3, min_iters: int = 20,
-               max_iters: int = 300, warmup: int = 3) -> Dict[str, Any]:
+               max_iters: int = 300, warmup: int = 3,
+               warm_step: Optional[Callable[[int], Any]] = None) -> Dict[str, Any]:
     """Eager timing of ``step(i)``: CUDA events around each call on the current stream (so a
-    host-bound call is measured as host-bound), iterations adapted to ``budget_s``."""
+    host-bound call is measured as host-bound), iterations adapted to ``budget_s``.
+    ``warm_step`` (default ``step``) runs the warm-up calls (the ones that may compile)."""
     cur = torch.cuda.current_stream()
     for i in range(warmup):
-        step(i)
+        (warm_step or step)(i)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     step(0)
@@ -428,11 +430,26 @@ class _Rig:
             self.device = self.world.device
         self.caps = self.mods[0].caps
 
-    def run(self, fn: Callable[[int], Any]) -> list:
-        """``fn(i)`` for every local rank index i (loopback: on each rank's stream)."""
-        if self.world is not None:
+    def run(self, fn: Callable[[int], Any], warm: bool = True) -> list:
+        """``fn(i)`` for every local rank index i (loopback: on each rank's stream).
+
+        ``warm=False`` (timed eager iterations, after warm-up calls compiled every variant):
+        skip ``LoopbackWorld.run``'s compile-only pass, whose torch ops would otherwise run
+        for real a second time inside the measured interval."""
+        if self.world is None:
+            return [fn(0)]
+        if warm or torch.cuda.is_current_stream_capturing():
             return self.world.run(fn)
-        return [fn(0)]
+        world = self.world
+        cur = torch.cuda.current_stream(world.device)
+        out = []
+        for r, s in enumerate(world.streams):  # LoopbackWorld.run's fork/join, without the warm pass
+            s.wait_stream(cur)
+            with torch.cuda.stream(s):
+                out.append(fn(r))
+        for s in world.streams:
+            cur.wait_stream(s)
+        return out
 
     def close(self):
         self.mods = None
@@ -490,16 +507,17 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                     continue
                 graph_phase = phase == "graph"
 
-                def step(i, tier=tier, graph_phase=graph_phase):
+                def step(i, tier=tier, graph_phase=graph_phase, warm=True):
                     return rig.run(lambda k: rig.mods[k](
                         **inputs[k], norm_weight=weights[k][0], up_weight=weights[k][1][i % len(weights[k][1])],
-                        graph_phase=graph_phase, tier=tier))
+                        graph_phase=graph_phase, tier=tier), warm=warm)
 
                 try:
                     if graph_phase:
                         res = time_graph(step, max_calls=max_calls, budget_s=budget_s)
                     else:
-                        res = time_eager(step, budget_s=budget_s)
+                        res = time_eager(lambda i, step=step: step(i, warm=False), warm_step=step,
+                                         budget_s=budget_s)
                 except Exception as e:  # record and go on: one broken tier must not lose the map
                     if torch.cuda.is_available():
                         torch.cuda.synchronize()

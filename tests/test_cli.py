@@ -265,13 +265,13 @@ class _FakeRig:
         self.caps = caps
         self.mods = [_FakeTail(caps) for _ in range(W)]
 
-    def run(self, fn):
+    def run(self, fn, warm=True):
         return [fn(r) for r in range(self.W)]
 
 
 def _fake_timer(cost):
-    def timer(step, **kw):
-        step(0)
+    def timer(step, warm_step=None, **kw):
+        (warm_step or step)(0)
         step(1)
         us = cost()
         return {**B.summarize([us, us * 1.1]), "calls": 2, "replays": 2}
