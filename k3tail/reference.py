@@ -140,3 +140,25 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, prefix: Optional[torc
     if shared_sum is not None:
         out = out + f64(shared_sum)
     return out
+
+
+def tail_tie_slack(*, partials: Sequence[torch.Tensor], norm_weight: torch.Tensor, up_weight: torch.Tensor,
+                   eps: float, latent_dtype: torch.dtype = torch.bfloat16, tie_ulp: float = 2.0 ** -11):
+    """Per-output absolute slack for latent elements that may legitimately round either way.
+
+    The contract rounds the normed latent once, from an fp32 value.  Where the exact (fp64)
+    latent lies within fp32 noise of a 16-bit rounding midpoint (closer than ``tie_ulp`` of a
+    latent ulp), an fp32 implementation may round it the other way than the fp64 reference;
+    that moves every output of the token by ``|W_up[:, j]| * ulp(latent_j)`` (~1e-4 absolute,
+    hundreds of ulps at outputs near zero; seen at the K3 shape about once per 10^4 latent
+    elements).  Returns ``(slack [M, H] fp64, number of near-tie latent elements)``.
+    """
+    s = torch.zeros_like(partials[0])
+    for p in partials:
+        s += p
+    n = rmsnorm(s, norm_weight, eps)
+    u = ulp(n, latent_dtype)
+    q = n.abs() / u
+    near = (q - torch.floor(q) - 0.5).abs() <= tie_ulp
+    slack = (near.double() * u) @ f64(up_weight).abs().T
+    return slack, int(near.sum())

@@ -82,3 +82,24 @@ def check_ulp(out: torch.Tensor, reference: torch.Tensor, *, max_ulp: float = 1.
     ok = float((u <= max_ulp).double().mean()) if u.numel() else 1.0
     assert ok >= frac, f"{what}: only {ok:.6f} of elements within {max_ulp} ulp (need {frac}); stats {st}"
     return st
+
+
+def check_tail(out: torch.Tensor, *, prefix, partials, shared, norm_weight, up_weight, eps: float,
+               frac: float = 0.999, what: str = "tail") -> dict:
+    """Check a tail output against the contract-faithful fp64 reference (``reference.tail``):
+    at least ``frac`` of the elements within 1 ulp, where a latent element that sits on a
+    rounding midpoint within fp32 noise may round either way (``reference.tail_tie_slack``
+    says why and adds its effect to the bound); no NaN.  Returns the error stats (signed
+    bias included) and the number of near-tie latent elements."""
+    r64 = ref.tail(prefix=prefix, partials=partials, shared=shared, norm_weight=norm_weight,
+                   up_weight=up_weight, eps=eps, latent_dtype=out.dtype)
+    slack, n_ties = ref.tail_tie_slack(partials=partials, norm_weight=norm_weight, up_weight=up_weight,
+                                       eps=eps, latent_dtype=out.dtype)
+    o = ref.f64(out)
+    assert not torch.isnan(o).any(), f"{what}: NaN in the output"
+    ok_el = (o - r64).abs() <= ref.ulp(r64, out.dtype) + slack
+    ok = float(ok_el.double().mean()) if ok_el.numel() else 1.0
+    st = ref.error_stats(out, r64)
+    st.update(frac_within_bound=ok, near_ties=n_ties)
+    assert ok >= frac, f"{what}: only {ok:.6f} of elements within 1 ulp (+ tie slack) (need {frac}); {st}"
+    return st

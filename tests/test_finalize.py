@@ -6,7 +6,8 @@ per world size, many cases per spawn.  GPU tests (marked ``gpu``) run loopback W
 Error bound.  Every output is one rounding of an fp32 value whose own error is a few fp32
 ulps relative to the sum of the |terms|; so an output is within 1 ulp of fp64 except where
 cancellation makes the fp32 slack larger than half a 16-bit ulp.  The tests check
-<= 1 ulp for >= 99.9 % of the elements and <= 2 ulp for all of them (fp32 ``shared_sum``:
+<= 1 ulp for >= 99.9 % of the elements and, for every element, <= 2 ulp or <= 2^-17 of its
+row's RMS where a sum cancels (``_check_cancellation_bound``; fp32 ``shared_sum``:
 <= 1 fp32-ulp-scaled bound through the same helper with 8 ulp max, see ``_check_f32``), and
 print the signed bias (run ``pytest -s``).  Outputs are bit-identical on every rank.
 """
@@ -89,6 +90,20 @@ def _check_f32(out, ref, what):
     return {"max_f32_ulp": float(u.max()) if u.numel() else 0.0, "bias": float((o - ref).mean()) if o.numel() else 0.0}
 
 
+def _check_cancellation_bound(out, ref, what):
+    """Every element within 2 ulp, or within 2^-17 of its row's RMS: where a sum cancels, the
+    exact value is far below the summands it came from, and fp32 accumulation error (about
+    2^-24 of each summand, a few dozen summands) can exceed 2 ulp of the small result (seen on
+    the H200: one element in ~10^5 at 3 to 13 ulp)."""
+    o = R.f64(out)
+    err = (o - ref).abs()
+    row_rms = ref.pow(2).mean(-1, keepdim=True).sqrt()
+    bound = torch.maximum(2.0 * R.ulp(ref, out.dtype), row_rms * 2.0 ** -17)
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements beyond max(2 ulp, 2^-17 row RMS); "
+                           f"worst excess {float((err / bound).max()):.2f}x")
+
+
 def _compare(cases, results, W):
     """results[rank][case] = tuple of outputs; check rank agreement and fp64 error; print bias."""
     for ci, c in enumerate(cases):
@@ -106,7 +121,7 @@ def _compare(cases, results, W):
                 st = _check_f32(o, ref, f"{tag} out{j}")
             else:
                 st = T.check_ulp(o, ref, max_ulp=1.0, frac=0.999, what=f"{tag} out{j}")
-                T.check_ulp(o, ref, max_ulp=2.0, frac=1.0, what=f"{tag} out{j}")
+                _check_cancellation_bound(o, ref, f"{tag} out{j}")
             print(f"{tag} out{j}: {st}")
 
 

@@ -34,43 +34,18 @@ def make_inputs(*, hidden, latent, top_k, M, W, rank, form, dtype=torch.bfloat16
     return prefix, gamma, up, shared, rt
 
 
-def _fp32_partial(routed=None, expert_out=None, expert_weights=None, expanded_idx=None):
-    if routed is not None:
-        return routed.float()
-    idx, w = expanded_idx.long(), expert_weights.float()
-    p = torch.zeros(idx.shape[0], expert_out.shape[1])
-    for k in range(idx.shape[1]):
-        c = expert_out[idx[:, k].clamp_min(0)].float() * w[:, k:k + 1]
-        p += torch.where(idx[:, k:k + 1] >= 0, c, torch.zeros(()))
-    return p
-
-
 def reference(*, hidden, latent, top_k, M, W, form, eps=1e-5, seed=0):
-    """``(ref, ref_fp32_normed, normed_max_ulp)``.
-
-    ``ref`` is the contract-faithful fp64 reference (``k3tail.reference.tail``: normed latent
-    rounded once from fp64).  An fp32 implementation rounds the normed latent from an fp32 value,
-    so an element whose exact value sits within fp32 noise of a bf16 rounding midpoint may round
-    the other way; one such flip moves every output of its token by ~1e-4 absolute, which is
-    hundreds of ulps at outputs near zero (the K3 shape, 3584 normed elements a token, sees one now
-    and then: measured at W=4, M=4).  ``ref_fp32_normed`` is the same fp64 reference with the normed
-    latent computed the fp32 way (rank-order fp32 sum, fp32 statistics, one rounding), and
-    ``normed_max_ulp`` checks that normed latent against fp64 (it must be within 1 ulp).
-    An output element passes if it is within 1 ulp of either reference.
-    """
-    parts, shareds, s32 = [], [], None
+    """``(ref, slack, near_ties)``: the contract-faithful fp64 reference and the per-output slack
+    for latent elements on a rounding midpoint (``reference.tail_tie_slack`` says why)."""
+    parts, shareds = [], []
     for r in range(W):
         prefix, gamma, up, shared, rt = make_inputs(hidden=hidden, latent=latent, top_k=top_k, M=M, W=W,
                                                     rank=r, form=form, seed=seed)
         parts.append(R.rank_partial(**rt))
         shareds.append(shared)
-        p = _fp32_partial(**rt)
-        s32 = p if s32 is None else s32 + p
     ref = R.tail(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up, eps=eps)
-    n32 = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(torch.bfloat16)
-    n_ulp = float(R.ulp_error(n32, R.rmsnorm(R.all_reduce(parts), gamma, eps)).max())
-    alt = R.f64(prefix) + R.f64(n32) @ R.f64(up).T + R.all_reduce(shareds)
-    return ref, alt, n_ulp
+    slack, ties = R.tail_tie_slack(partials=parts, norm_weight=gamma, up_weight=up, eps=eps)
+    return ref, slack, ties
 
 
 def _run_tiers(mod, shape, M, W, rank, form, seed=0, device="cpu"):
@@ -108,8 +83,7 @@ def check_equivalence(per_rank, plans, W):
     for entries in zip(*per_rank):
         i, M, form, outs0, times = entries[0]
         shape = plans[i][0]
-        ref, alt, n_ulp = reference(M=M, W=W, form=form, **shape)
-        assert n_ulp <= 1.0, f"M={M}: the fp32-way normed latent is {n_ulp} ulp from fp64"
+        ref, slack, ties = reference(M=M, W=W, form=form, **shape)
         sep = outs0["SEPARATE_REDUCE"]
         for name in outs0:
             for r in range(W):  # identical on every rank
@@ -119,11 +93,11 @@ def check_equivalence(per_rank, plans, W):
             assert not torch.isnan(out.float()).any()
             vs_sep = ((R.f64(out) - R.f64(sep)).abs() / R.ulp(R.f64(sep), out.dtype)).max().item()
             st = R.error_stats(out, ref)
-            u = torch.minimum(R.ulp_error(out, ref), R.ulp_error(out, alt))
-            frac = float((u <= 1.0).double().mean())
+            within = (R.f64(out) - ref).abs() <= R.ulp(ref, out.dtype) + slack
+            frac = float(within.double().mean())
             print(f"W={W} H={shape['hidden']} M={M:3d} {form:6s} {name:16s} vs SEPARATE {vs_sep:.2f} ulp; "
                   f"vs fp64 max {st['max_ulp']:.2f} ulp, <=1ulp {st['frac_le_1ulp']:.5f} "
-                  f"({frac:.5f} given the fp32-way normed latent), "
+                  f"({frac:.5f} with {ties} near-tie latent elements' slack), "
                   f"bias {st['bias']:+.3e} (rel {st['rel_bias']:+.2e}); {times[name]:.1f}s")
             if vs_sep > 2.0:
                 failures.append(f"{name} W={W} M={M}: {vs_sep} ulp from SEPARATE_REDUCE")
