@@ -59,6 +59,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def git_commit(cwd=None) -> str:
     """``git rev-parse HEAD`` of the checkout (``+dirty`` if it has uncommitted changes to
     tracked files), or ``"unknown"``."""
+    if os.environ.get("K3TAIL_COMMIT"):  # set by bench/gpu_check.sh: the device's copy has no .git
+        return os.environ["K3TAIL_COMMIT"]
     cwd = str(cwd or REPO_ROOT)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
