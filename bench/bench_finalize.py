@@ -147,7 +147,7 @@ def main():
                "note": "(a) W=1 local one launch vs torch eager/compile; (b) loopback W ranks on one GPU "
                        "vs composed finalize(compiled)->OneShotAllReduce->RMSNorm(compiled); CUDA-graph "
                        "replay medians",
-               "w1": rows_a, "loopback": rows_b, "wall_s": time.time() - t_start}
+               "w1": rows_a, "loopback_rows": rows_b, "wall_s": time.time() - t_start}
     path = write_results("finalize", payload, args.out)
     series = {"fused W=1": [(r["M"], r["fused_us"]) for r in rows_a],
               "torch eager W=1": [(r["M"], r["eager_us"]) for r in rows_a],
