@@ -440,18 +440,7 @@ class _Rig:
         for real a second time inside the measured interval."""
         if self.world is None:
             return [fn(0)]
-        if warm or torch.cuda.is_current_stream_capturing():
-            return self.world.run(fn)
-        world = self.world
-        cur = torch.cuda.current_stream(world.device)
-        out = []
-        for r, s in enumerate(world.streams):  # LoopbackWorld.run's fork/join, without the warm pass
-            s.wait_stream(cur)
-            with torch.cuda.stream(s):
-                out.append(fn(r))
-        for s in world.streams:
-            cur.wait_stream(s)
-        return out
+        return self.world.run(fn, warm=warm)
 
     def close(self):
         self.mods = None

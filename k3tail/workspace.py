@@ -190,15 +190,17 @@ class LoopbackWorld:
                 raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
         return results
 
-    def run(self, fn: Callable[[int], Any]) -> list:
+    def run(self, fn: Callable[[int], Any], warm: bool = True) -> list:
         """Issue ``fn(rank)`` for every rank on that rank's stream; return the results.
 
         Outside CUDA-graph capture, ``fn`` first runs once per rank with kernel launches
         suppressed (``_launch.warm_only``), so every Triton variant is compiled and loaded
         before any rank's kernel can spin (a module load blocks while one does).  ``fn``
-        must therefore only launch work (no host reads of its results).
+        must therefore only launch work (no host reads of its results).  ``warm=False``
+        skips that pass (timed loops whose every variant is already loaded: the pass would
+        run their torch ops a second time inside the measured interval).
         """
-        if not torch.cuda.is_current_stream_capturing():
+        if warm and not torch.cuda.is_current_stream_capturing():
             from ._launch import warm_only
 
             with warm_only():
