@@ -37,7 +37,8 @@ Kernels (all on the rank's stream, in the order A, B, C)
     squares into ``sq``), re-arms them; polls its local rs slots (t, 0..W-1) of slice s,
     sums in rank order in fp32 into ``rs32``, re-arms them.  The program that completes
     token t (arrival counter ``cnt_a[t]``, acq_rel atomic) adds the SLICES partial sums
-    of squares in slice order, ``rstd = 1 / sqrt_rn(ss / L + eps)`` and writes
+    of squares in slice order, ``rstd = rsqrt(ss / L + eps)`` (``tl.rsqrt``, the same function
+    the lane kernel and torch's RMSNorm use, so tiers round the latent alike) and writes
     ``normed[t] = round_to(sum32[t] * rstd * gamma)`` (the latent's only rounding).
     Interpreter-safe: program p only waits for data that the peers' program p publishes
     (same item order on every rank) before it waits; counters never wait.
@@ -191,7 +192,10 @@ def tail_a_kernel(
                         ss = tl.load(sq_ptr + t * SQ_STRIDE, volatile=True)
                         for j in range(1, SLICES):  # slice order: deterministic
                             ss += tl.load(sq_ptr + t * SQ_STRIDE + j, volatile=True)
-                        rstd = tl.div_rn(1.0, tl.sqrt_rn(ss / LATENT + eps))
+                        # tl.rsqrt like the lane kernel (finalize_ar_norm.py) and torch.rsqrt in
+                        # SEPARATE_REDUCE: on the H200 the IEEE 1/sqrt_rn here made TAIL_FUSION round
+                        # some latent elements on a tie differently from the other tiers.
+                        rstd = tl.rsqrt(ss / LATENT + eps)
                         for j in range(SLICES):
                             cj = j * BLOCK_L + offs_l
                             mj = cj < LATENT
