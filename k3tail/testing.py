@@ -103,3 +103,20 @@ def check_tail(out: torch.Tensor, *, prefix, partials, shared, norm_weight, up_w
     st.update(frac_within_bound=ok, near_ties=n_ties)
     assert ok >= frac, f"{what}: only {ok:.6f} of elements within 1 ulp (+ tie slack) (need {frac}); {st}"
     return st
+
+
+def tail_inputs(*, hidden, latent, top_k, M, W, rank, form, dtype=torch.bfloat16, seed=0, device="cpu"):
+    """Rank ``rank``'s inputs of a K3MoETail call, ``(prefix, gamma, up_weight_full, shared, routed)``
+    where ``routed`` is ``{"routed": ...}`` (form "routed") or the deferred triple (form "triple").
+    Deterministic in (seed, M, rank); replicated tensors (prefix, gamma, W_up) use rank-free seeds."""
+    base = seed * 1000 + M * 10
+    prefix = randn((M, hidden), dtype, base + 1, device=device)
+    gamma = (1.0 + 0.1 * randn((latent,), torch.float32, base + 2, neg_zeros=False)).to(dtype).to(device)
+    up = randn((hidden, latent), dtype, base + 3, scale=latent ** -0.5, device=device)
+    shared = randn((M, hidden), dtype, base + 100 + rank, scale=0.5, device=device)
+    if form == "routed":
+        rt = dict(routed=randn((M, latent), dtype, base + 200 + rank, device=device))
+    else:
+        eo, w, idx = moe_triple(M, top_k, latent, dtype, base + 300 + rank, device=device)
+        rt = dict(expert_out=eo, expert_weights=w, expanded_idx=idx)
+    return prefix, gamma, up, shared, rt

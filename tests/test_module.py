@@ -19,19 +19,7 @@ CPU_TACTICS = {"project": {"triton_max_m": 0}}
 
 
 # ----------------------------------------------------------------------- inputs
-def make_inputs(*, hidden, latent, top_k, M, W, rank, form, dtype=torch.bfloat16, seed=0, device="cpu"):
-    """Per-rank inputs (deterministic in (seed, M, rank)); replicated tensors use rank-free seeds."""
-    base = seed * 1000 + M * 10
-    prefix = T.randn((M, hidden), dtype, base + 1, device=device)
-    gamma = (1.0 + 0.1 * T.randn((latent,), torch.float32, base + 2, neg_zeros=False)).to(dtype).to(device)
-    up = T.randn((hidden, latent), dtype, base + 3, scale=latent ** -0.5, device=device)
-    shared = T.randn((M, hidden), dtype, base + 100 + rank, scale=0.5, device=device)
-    if form == "routed":
-        rt = dict(routed=T.randn((M, latent), dtype, base + 200 + rank, device=device))
-    else:
-        eo, w, idx = T.moe_triple(M, top_k, latent, dtype, base + 300 + rank, device=device)
-        rt = dict(expert_out=eo, expert_weights=w, expanded_idx=idx)
-    return prefix, gamma, up, shared, rt
+make_inputs = T.tail_inputs
 
 
 def reference(*, hidden, latent, top_k, M, W, form, eps=1e-5, seed=0):
