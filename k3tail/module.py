@@ -84,6 +84,8 @@ log = logging.getLogger("k3tail")
 
 LOOPBACK_CHUNK = 64          # rows per launch of the loopback fp32 all-reduce / gather
 DEFAULT_LANE_MAX_TOKENS = 64  # lane collective capacity unless given (tuning may lower it)
+# ops whose kernel tactics K3MoETail takes from the agreed tactic table (``k3tail tune`` writes them)
+TUNED_OPS = ("LatentTail", "LaneAllReduce", "project")
 
 
 @dataclass
@@ -261,7 +263,7 @@ class K3MoETail(nn.Module):
         self.config = dataclasses.replace(config)
         self.prefix, self.timeout_s = prefix, float(timeout_s)
         tactics = dict(tactics or {})
-        unknown = set(tactics) - {"LatentTail", "LaneAllReduce", "project"}
+        unknown = set(tactics) - set(TUNED_OPS)
         if unknown:
             raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: LatentTail, LaneAllReduce, project)")
         self._proj_tactics = tactics.get("project")
@@ -301,6 +303,19 @@ class K3MoETail(nn.Module):
             if "multimem_min_tokens" in cross:
                 upd["multimem_min_tokens"] = max(caps.multimem_min_tokens, int(cross["multimem_min_tokens"]))
             caps = dataclasses.replace(caps, **upd)
+            # Per-op kernel tactics from the same agreed table; explicit ``tactics`` win.  A miss
+            # logs one warning naming the key (ops then use their documented defaults), except
+            # under the interpreter, where nothing is tuned and every rank would warn.
+            for op in TUNED_OPS:
+                if agreed_t.fields.get("sm") == "interpreter":
+                    key = tuning.make_key(op, world_size=W, shape=shape, **agreed_t.fields)
+                    rec = agreed_t.table.get(key)
+                    tuned = dict(rec["tactic"]) if rec else {}
+                else:
+                    tuned = agreed_t.get(op, shape=shape, default={})
+                if tuned:
+                    tactics[op] = {**tuned, **tactics.get(op, {})}
+            self._proj_tactics = tactics.get("project")
         self.caps: TailCaps = caps
         self._why_not = why_not
         self.negotiated = {

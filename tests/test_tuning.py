@@ -5,6 +5,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 import k3tail
 from k3tail import tuning as T
@@ -164,3 +165,20 @@ def test_load_table_is_cached_but_sees_changes(tmp_path, monkeypatch):
     T.save_table(_table("two-changed"), p)
     key = T.make_key("LatentTail", world_size=4, shape=K3, **FIELDS)
     assert T.load_table().get(key)["tactic"]["tag"] == "two-changed"
+
+
+def test_k3moetail_takes_op_tactics_from_the_agreed_table():
+    """A table entry for an op (keyed like `k3tail tune` writes it) reaches that op; explicit
+    `tactics=` still win.  World of one on CPU (no process group)."""
+    from k3tail import tuning
+    from k3tail.module import K3MoETail, TailConfig
+
+    cfg = TailConfig(hidden=256, latent=128, top_k=4, max_tokens=8)
+    fields = tuning.device_fields(torch.device("cpu"))
+    shape = tuning.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
+    table = tuning.TacticTable()
+    table.put(tuning.make_key("project", world_size=1, shape=shape, **fields), {"triton_max_m": 0, "block_n": 32})
+    mod = K3MoETail(cfg, prefix="tuning.op.0", tactics_table=table)
+    assert mod._proj_tactics == {"triton_max_m": 0, "block_n": 32}
+    mod2 = K3MoETail(cfg, prefix="tuning.op.1", tactics_table=table, tactics={"project": {"block_n": 64}})
+    assert mod2._proj_tactics == {"triton_max_m": 0, "block_n": 64}
