@@ -18,11 +18,8 @@ CUDA-graph replay, median over replays; JSON + PNG under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
 
 for _k, _v in {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
@@ -30,11 +27,12 @@ for _k, _v in {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
     os.environ[_k] = _v
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 import k3tail  # noqa: E402
 from k3tail import testing as T  # noqa: E402
 from k3tail.tail import LatentTail, shard_gemm  # noqa: E402
+from k3tail.bench import results_meta  # noqa: E402
+from timing import graph_replay_us  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
 SWEEP = [dict(b_block_n=bn, b_split_k=sk, b_block_k=bk, b_stages=st)
@@ -44,23 +42,7 @@ SWEEP = [dict(b_block_n=bn, b_split_k=sk, b_block_k=bk, b_stages=st)
 
 def time_graph(fn, n_inner: int, n_rep: int = 50) -> float:
     """Median microseconds per fn() over CUDA-graph replays of n_inner back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(n_rep):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / n_inner)
-    return statistics.median(ts)
+    return graph_replay_us(fn, reps_in_graph=n_inner, replays=n_rep)["median_us"]
 
 
 def bench_kernel_b(log) -> list:
@@ -201,13 +183,7 @@ def main():
                                     num_layers=61)
     figs["symm_bytes_per_rank_61_layers_w8"] = nb
     log(f"symmetric memory per rank, 61 layers, W=8, pool depth 2: {nb / 2**20:.2f} MiB (target <= 32 MB)")
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        commit = "unknown"
-    doc = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "loopback": True,
-           "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "torch": torch.__version__, "triton": triton.__version__,
+    doc = {**results_meta(loopback=True),
            "pdl": os.environ.get("K3TAIL_DISABLE_PDL", "0") in ("", "0"), "figures": figs, "log": lines}
     path = os.path.join(args.out, "bench_tail.json")
     with open(path, "w") as f:

@@ -42,7 +42,7 @@ import importlib.util
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -50,7 +50,7 @@ import triton.language as tl
 
 from . import _launch as L
 from .tiers import TailCaps, Tier
-from .workspace import Comm, LoopbackGroup, comm_for, create_workspace, interpret_mode
+from .workspace import Comm, LoopbackGroup, create_workspace, interpret_mode
 
 ENV_DISABLE_LATENT_TAIL = "K3TAIL_DISABLE_LATENT_TAIL"
 ENV_DISABLE_FUSED_AR = "K3TAIL_DISABLE_FUSED_AR"

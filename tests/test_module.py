@@ -2,7 +2,6 @@
 forced tiers, TierUnavailable, validation, logging, torch.compile, GPU loopback."""
 
 import logging
-import os
 import time
 
 import pytest

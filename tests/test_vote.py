@@ -3,7 +3,6 @@ all-reduce per construction), the probe hooks, caps_from, and `k3tail doctor`.""
 
 import os
 
-import pytest
 import torch
 
 import k3tail
