@@ -131,12 +131,25 @@ class _FusedSpec(Spec):
                   if b * wp2 <= (32768 if full else 16384)]
         return {"block": blocks, "num_warps": [2, 4, 8, 16] if full else [4, 8]}
 
+    takes_shared = False  # does the op's call take this rank's shared partial?
+
     def resolved(self, ops):
         return {"block": int(ops[0].block), "num_warps": int(ops[0].num_warps)}
+
+    def step_for(self, world, ops, cfg, M, seed):
+        ins = _inputs(world, cfg, M, seed)
+        nw = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=8, copies=1, dtype=cfg.dtype,
+                             device=world.device, seed=seed + r)[0] for r in range(world.world_size)]
+        keys = ("shared", "expert_out", "expert_weights", "expanded_idx")[0 if self.takes_shared else 1:]
+
+        def step(i):
+            return world.run(lambda r: ops[r](norm_weight=nw[r], **{k: ins[r][k] for k in keys}))
+        return step
 
 
 class LaneSpec(_FusedSpec):
     name = "LaneAllReduce"
+    takes_shared = True
 
     def ms(self, full):
         return [16, 64, 256, 1024] if full else [16, 64]
@@ -148,17 +161,6 @@ class LaneSpec(_FusedSpec):
                                                    max_tokens=max_tokens, top_k=cfg.top_k, eps=cfg.eps, dtype=cfg.dtype,
                                                    timeout_s=timeout_s, tactics=tactic or None))
 
-    def step_for(self, world, ops, cfg, M, seed):
-        ins = _inputs(world, cfg, M, seed)
-        nw = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=8, copies=1, dtype=cfg.dtype,
-                             device=world.device, seed=seed + r)[0] for r in range(world.world_size)]
-
-        def step(i):
-            return world.run(lambda r: ops[r](norm_weight=nw[r], shared=ins[r]["shared"],
-                                              expert_out=ins[r]["expert_out"],
-                                              expert_weights=ins[r]["expert_weights"],
-                                              expanded_idx=ins[r]["expanded_idx"]))
-        return step
 
 
 class FinalizeSpec(_FusedSpec):
@@ -178,16 +180,6 @@ class FinalizeSpec(_FusedSpec):
                                                               top_k=cfg.top_k, eps=cfg.eps, dtype=cfg.dtype,
                                                               timeout_s=timeout_s, tactics=tactic or None))
 
-    def step_for(self, world, ops, cfg, M, seed):
-        ins = _inputs(world, cfg, M, seed)
-        nw = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=8, copies=1, dtype=cfg.dtype,
-                             device=world.device, seed=seed + r)[0] for r in range(world.world_size)]
-
-        def step(i):
-            return world.run(lambda r: ops[r](norm_weight=nw[r], expert_out=ins[r]["expert_out"],
-                                              expert_weights=ins[r]["expert_weights"],
-                                              expanded_idx=ins[r]["expanded_idx"]))
-        return step
 
 
 class _Project:
