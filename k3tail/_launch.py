@@ -118,5 +118,20 @@ def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torc
     return t
 
 
+def check_indices(idx: torch.Tensor, rows: int, name: str = "expanded_idx") -> None:
+    """``idx`` must lie in ``[-1, rows)`` (-1 skips a slot): ValueError otherwise, before anything
+    is written.  Checked where it costs no device sync: always for CPU tensors; for CUDA tensors
+    only with ``K3TAIL_CHECK_INDICES=1`` and outside graph capture (a debug mode: it syncs)."""
+    if idx.numel() == 0:
+        return
+    if idx.device.type == "cuda" and (os.environ.get("K3TAIL_CHECK_INDICES", "0") in ("", "0")
+                                      or torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < -1 or hi >= rows:
+        raise ValueError(f"{name} holds indices in [{lo}, {hi}] but expert_out has {rows} rows "
+                         f"(valid: -1 to skip a slot, else 0..{rows - 1})")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -128,6 +128,7 @@ class _FusedBase:
                        shape=(None, self.width))
         if expert_out.shape[0] < 1:
             raise ValueError("expert_out must have at least one row")
+        L.check_indices(expanded_idx, expert_out.shape[0])
         return M, True, K
 
     def _check_m(self, M):

@@ -446,6 +446,7 @@ class K3MoETail(nn.Module):
                            dtypes=(torch.bfloat16, torch.float16, torch.float32), device=dev, ndim=2,
                            shape=(M, c.top_k))
             L.check_tensor("expert_out", expert_out, dtype=c.dtype, device=dev, ndim=2, shape=(None, c.latent))
+            L.check_indices(expanded_idx, expert_out.shape[0])
         return M
 
     def _run(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,

@@ -316,6 +316,7 @@ class LatentTail:
         if K < 1:
             raise ValueError("expert_weights must have at least one column")
         L.check_tensor("expanded_idx", expanded_idx, dtype=torch.int32, device=dev, ndim=2, shape=(M, K))
+        L.check_indices(expanded_idx, expert_out.shape[0])
         return True
 
     def __call__(self, *, prefix: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
