@@ -539,7 +539,9 @@ class K3MoETail(nn.Module):
                 out[r0:r0 + self._lb_gather.max_tokens] = self._lb_gather(padded[r0:r0 + self._lb_gather.max_tokens])
             return out
         buf = torch.empty(W * M, H // W, dtype=y.dtype, device=y.device)
-        dist.all_gather_into_tensor(buf, y.contiguous(), group=self.comm.group)
+        # all_gather_single replaces all_gather_into_tensor (deprecated in torch 2.13); same signature
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(buf, y.contiguous(), group=self.comm.group)
         return buf.view(W, M, H // W).permute(1, 0, 2).reshape(M, H)
 
     def _finish(self, normed, shared_sum, prefix, up_weight) -> torch.Tensor:
