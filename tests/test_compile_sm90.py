@@ -1,0 +1,128 @@
+"""Every Triton kernel variant the ops launch also compiles for the GPU (sm_90), checked on
+machines without one: the launches of real calls are recorded under the interpreter (W = 1 in
+process, W = 2 on CPU ranks), then a fresh process with ``TRITON_INTERPRET=0`` compiles each
+recorded variant with Triton's own compiler for an H100/H200 target (PDL and the global timer
+on, as on the GPU).  The interpreter cannot reveal a kernel that does not compile: this does."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import k3tail
+from k3tail import _launch as L
+from k3tail import testing as T
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.uint8: "u8"}
+
+
+def _record(kernel, grid, *args, pdl=False, num_warps=4, **constexprs):
+    """Stand-in for ``_launch.launch`` that notes the variant, then launches as usual."""
+    fn = getattr(kernel, "fn", kernel)
+    names = [n for n in kernel.arg_names if n not in constexprs]
+    sig = {}
+    for n, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig[n] = "*" + _TYPES[a.dtype]
+        elif isinstance(a, bool):
+            sig[n] = "i1"
+        elif isinstance(a, int):
+            sig[n] = "i64" if abs(a) >= 2 ** 31 else "i32"
+        else:
+            sig[n] = "fp32"
+    options = {k: v for k, v in constexprs.items() if k not in kernel.arg_names}  # e.g. num_stages
+    _RECORDS.append({"module": fn.__module__, "name": fn.__name__, "sig": sig,
+                     "constexprs": {k: v for k, v in constexprs.items() if k in kernel.arg_names},
+                     "options": {"num_warps": num_warps, **options}})
+    return _ORIG(kernel, grid, *args, pdl=pdl, num_warps=num_warps, **constexprs)
+
+
+_ORIG = L.launch
+_RECORDS: list = []
+
+
+def _drive_w1():
+    from k3tail.finalize import FinalizeAllReduceRMSNorm
+    from k3tail.projection import project
+    from k3tail.tail import LatentTail
+
+    M, K, Lt, H = 3, 4, 256, 512
+    eo, w, idx = T.moe_triple(M, K, Lt, torch.bfloat16, 1)
+    FinalizeAllReduceRMSNorm(width=Lt, max_tokens=4, top_k=K)(
+        norm_weight=torch.ones(Lt, dtype=torch.bfloat16), expert_out=eo, expert_weights=w, expanded_idx=idx,
+        residual=T.randn((M, Lt), torch.bfloat16, 2))
+    project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),
+            prefix=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6))
+    LatentTail(hidden=H, latent=Lt, top_k=K, key="compile.w1", max_tokens=4)(
+        prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
+        norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
+        expert_out=eo, expert_weights=w, expanded_idx=idx)
+
+
+def _rank_records(rank, W):
+    """W = 2 variants (Lamport paths): the collectives' launches on CPU ranks."""
+    from k3tail.finalize import LaneAllReduce
+    from k3tail.tail import LatentTail
+
+    L.launch = _record
+    try:
+        M, K, Lt, H = 2, 4, 256, 512
+        eo, w, idx = T.moe_triple(M, K, Lt, torch.bfloat16, 10 + rank)
+        k3tail.OneShotAllReduce(max_tokens=4, width=H)(T.randn((M, H), torch.bfloat16, rank))
+        LaneAllReduce(latent=Lt, hidden=H, max_tokens=4, top_k=K)(
+            norm_weight=torch.ones(Lt, dtype=torch.bfloat16), shared=T.randn((M, H), torch.bfloat16, 20 + rank),
+            expert_out=eo, expert_weights=w, expanded_idx=idx)
+        LatentTail(hidden=H, latent=Lt, top_k=K, key="compile.w2", max_tokens=4)(
+            prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 30 + rank),
+            norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
+            up_weight=T.randn((H // W, Lt), torch.bfloat16, 9), expert_out=eo, expert_weights=w,
+            expanded_idx=idx)
+    finally:
+        L.launch = _ORIG
+    return list(_RECORDS)
+
+
+_COMPILER = r'''
+import importlib, json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+done = set()
+for rec in json.load(sys.stdin):
+    kern = getattr(importlib.import_module(rec["module"]), rec["name"])
+    for pdl in (True, False):
+        const = dict(rec["constexprs"])
+        for flag, val in (("USE_GLOBALTIMER", True), ("USE_PDL", pdl)):
+            if flag in kern.arg_names:
+                const[flag] = val
+        key = (rec["name"], json.dumps(rec["sig"], sort_keys=True), json.dumps(const, sort_keys=True, default=str))
+        if key in done:
+            continue
+        done.add(key)
+        sig = {n: (rec["sig"].get(n) or "constexpr") for n in kern.arg_names}
+        src = ASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
+        assert ".target sm_90" in k.asm["ptx"], rec["name"]
+        print("compiled", rec["name"], "pdl" if pdl else "no-pdl", flush=True)
+'''
+
+
+def test_every_launched_variant_compiles_for_sm90(monkeypatch):
+    monkeypatch.setattr(L, "launch", _record)
+    _RECORDS.clear()
+    _drive_w1()
+    records = list(_RECORDS) + [r for rank_recs in k3tail.spawn(2, _rank_records) for r in rank_recs]
+    names = {r["name"] for r in records}
+    assert {"finalize_ar_norm_kernel", "projection_kernel", "tail_a_kernel", "tail_b_kernel", "tail_c_kernel",
+            "oneshot_allreduce_kernel"} <= names, names
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(records), capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    print(r.stdout)
+    assert r.stdout.count("compiled") >= 2 * len(names)
