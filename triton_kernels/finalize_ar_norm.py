@@ -90,6 +90,21 @@ def _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr
     return acc
 
 
+@triton.jit
+def _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
+                  WIDTH: tl.constexpr, CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
+    """The summed chunk ``s`` (fp32): add the residual (and store ``residual_out``, rounded once),
+    zero the masked lanes, park the chunk in the fp32 scratch row when the row spans several
+    chunks.  Returns the chunk; the caller adds its squares and keeps it when the row is one chunk."""
+    if HAS_RESIDUAL:
+        s += tl.load(residual_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(resout_ptr + t64 * WIDTH + col, round_to(s, DTYPE), mask=cmask)
+    s = tl.where(cmask, s, 0.0)
+    if CHUNKS > 1:
+        tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
+    return s
+
+
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns"])
 def finalize_ar_norm_kernel(
     routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr, residual_ptr, gamma_ptr,
@@ -142,15 +157,11 @@ def finalize_ar_norm_kernel(
                     cmask = col < WIDTH
                     s = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
                                        scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE, SHARED_ADD)
-                    if HAS_RESIDUAL:
-                        s += tl.load(residual_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
-                        tl.store(resout_ptr + t64 * WIDTH + col, round_to(s, DTYPE), mask=cmask)
-                    s = tl.where(cmask, s, 0.0)
+                    s = _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
+                                      WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
                     ssq += s * s
                     if CHUNKS == 1:
                         keep = s
-                    else:
-                        tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
                 for c in range(CHUNKS_SH):
                     col = c * BLOCK + offs
                     cmask = col < SH
@@ -203,15 +214,11 @@ def finalize_ar_norm_kernel(
                             else:
                                 p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + col
                             s += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
-                        if HAS_RESIDUAL:
-                            s += tl.load(residual_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
-                            tl.store(resout_ptr + t64 * WIDTH + col, round_to(s, DTYPE), mask=cmask)
-                        s = tl.where(cmask, s, 0.0)
+                        s = _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
+                                          WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
                         ssq += s * s
                         if CHUNKS == 1:
                             keep = s
-                        else:
-                            tl.store(scratch_ptr + t64 * WIDTH + col, s, mask=cmask)
                         if SLOT32:
                             rearm(rows, rmask, tl.float32)  # CTA barrier first (lamport.rearm)
                         else:
