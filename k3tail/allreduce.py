@@ -50,9 +50,7 @@ class OneShotAllReduce:
     def check(self) -> None:
         """Synchronize this rank's device and raise if a wait timed out."""
         if self.ws is not None:
-            if self.ws.device.type == "cuda":
-                torch.cuda.synchronize(self.ws.device)
-            self.ws.check(self.op_name, self.timeout_s)
+            self.ws.sync_check(self.op_name, self.timeout_s)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         L.check_tensor("x", x, dtype=self.dtype, device=self.device, ndim=2, shape=(None, self.width))

@@ -93,9 +93,7 @@ class _FusedBase:
     def check(self) -> None:
         """Synchronize this rank's device and raise if a wait timed out."""
         if self.ws is not None:
-            if self.ws.device.type == "cuda":
-                torch.cuda.synchronize(self.ws.device)
-            self.ws.check(self.op_name, self.timeout_s)
+            self.ws.sync_check(self.op_name, self.timeout_s)
 
     def _validate_routed(self, routed, expert_out, expert_weights, expanded_idx):
         """Return (M, finalize?, top_k) after validating the routed input (materialized or triple)."""

@@ -283,9 +283,7 @@ class LatentTail:
 
     def check(self) -> None:
         """Synchronize this rank's device and raise if a wait timed out."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.ws.check(self.op_name, self.timeout_s)
+        self.ws.sync_check(self.op_name, self.timeout_s)
 
     # ------------------------------------------------------------------ call
     def _validate(self, prefix, shared, norm_weight, up_weight, routed, expert_out, expert_weights,

@@ -300,6 +300,12 @@ class Workspace:
             raise WorkspacePoisoned(op, self.rank, self.world_size, timeout_s,
                                     f"group {self.group_name}: an earlier wait timed out")
 
+    def sync_check(self, op: str, timeout_s: float) -> None:
+        """Wait for this rank's device work, then :meth:`check` (the ops' ``.check()``)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check(op, timeout_s)
+
     def slots(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's own region viewed as ``dtype`` (for tests and debugging)."""
         return self.local.view(dtype)
