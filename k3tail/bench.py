@@ -156,10 +156,15 @@ def line_plot(series: Dict[str, Sequence], path, *, title: str = "", xlabel: str
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    return _save_figure(plt, fig, path, dpi=120)
+
+
+def _save_figure(plt, fig, path, *, dpi: int) -> Path:
+    """Lay out, write the PNG (creating its folder) and close the figure."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -213,12 +218,7 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
                 ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, path, dpi=110)
 
 
 # ====================================================================== timing
