@@ -1,14 +1,17 @@
 """FinalizeAllReduceRMSNorm and LaneAllReduce (kernel: triton_kernels/finalize_ar_norm.py).
 
 Both ops run ONE launch per call: optional MoE finalize of the deferred triple, a one-shot
-Lamport all-reduce over the group, and RMSNorm in the epilogue; fp32 from the first product
-to the last, rank-order sums, one rounding per output, so every rank returns bit-identical
-results (DESIGN §3.3, §6).  World size 1 runs the same kernel without communication.
+Lamport all-reduce over the group, and RMSNorm in the epilogue; fp32 (fp64 inside the sums,
+``k3tail.numerics``) from the first product to the last, rank-order sums, one rounding per
+output, so every rank returns bit-identical results and the latent has the bits every other
+tier gives (DESIGN §3.3, §6).  World size 1 runs the same kernel without communication.
 
 ``group=None`` without an initialized ``torch.distributed`` means world size 1.
 
 Tactics (``tactics=`` dict, optional; must be identical on every rank): ``block`` (columns
-per chunk, power of two), ``num_warps``.
+per chunk, power of two), ``num_warps``, ``slices`` (most programs per token, G: a call with
+M tokens uses ``G = min(slices, chunks per row, programs // M)`` so that small M still
+spreads the row over many SMs; G is a runtime argument, not a new kernel variant).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 from . import _launch as L
+from .numerics import f32
 from .triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
 from .triton_kernels.lamport import NUM_STAGES
+
+SQ_STRIDE = 64  # most slices (programs) per token
 from .workspace import comm_for, create_workspace, interpret_mode
 
 MAX_TOP_K = 64
@@ -49,9 +55,9 @@ class _FusedBase:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         tactics = dict(tactics or {})
-        unknown = set(tactics) - {"block", "num_warps"}
+        unknown = set(tactics) - {"block", "num_warps", "slices"}
         if unknown:
-            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: block, num_warps)")
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: block, num_warps, slices)")
         self.group = group
         if group is None and not dist.is_initialized():
             self.comm = None  # a single process without torch.distributed: world size 1
@@ -75,19 +81,25 @@ class _FusedBase:
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                 else torch.device("cpu"))
         self.scratch = torch.empty(max_tokens, width, dtype=torch.float32, device=self.device)
+        # per-slice fp64 statistics and per-token arrival counters (G > 1; local, not symmetric)
+        self._sq = torch.zeros(max_tokens, SQ_STRIDE, dtype=torch.float64, device=self.device)
+        self._cnt = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
         self._idx_dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
         w_p2 = L.next_pow2(W)
         wide = L.next_pow2(max(width, self.sh))
         if interpret_mode():
-            block = max(64, min(wide, 32768 // w_p2, 4096))
-        elif W == 1:
-            block = max(64, min(wide, 4096))  # one chunk for K3 widths: the row stays in registers
+            block, slices = max(64, min(wide, 32768 // w_p2, 4096)), 1  # few, large programs
         else:
-            block = max(64, min(wide, 8192 // w_p2, 1024))
+            # 512-column chunks, one program per chunk while programs last: at M = 1 the K3
+            # row (7 chunks x 16 expert rows) is read by 7 SMs instead of one
+            block, slices = max(64, min(wide, 8192 // w_p2, 512)), SQ_STRIDE
         self.block = int(tactics.get("block", block))
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"tactics['block'] must be a power of two >= 16, got {self.block}")
         self.num_warps = int(tactics.get("num_warps", 4 if W > 1 else max(4, min(16, self.block // 256))))
+        self.slices = int(tactics.get("slices", slices))
+        if not 1 <= self.slices <= SQ_STRIDE:
+            raise ValueError(f"tactics['slices'] must be in 1..{SQ_STRIDE}, got {self.slices}")
 
     # ------------------------------------------------------------------ helpers
     def check(self) -> None:
@@ -144,9 +156,12 @@ class _FusedBase:
             cap = L.grid_cap(self.group, ws.device, self.num_warps)
         else:
             table = ctrl = host_flag = clock = self.scratch
-            rank, cap = 0, 1 << 30
+            rank = 0
+            cap = L.grid_cap(None, self.device, self.num_warps)  # all SMs (no co-residency rule)
         pdl = L.pdl_enabled(self.device) if self.device.type == "cuda" else False
-        grid = (min(M, cap),)
+        chunks = -(-self.width // self.block)
+        G = max(1, min(self.slices, chunks, cap // M)) if cap < (1 << 30) else min(self.slices, chunks)
+        grid = (min(M * G, cap),)
         L.launch(finalize_ar_norm_kernel, grid,
                  routed if routed is not None else dummy,
                  expert_out if expert_out is not None else dummy,
@@ -157,10 +172,11 @@ class _FusedBase:
                  norm_weight, normed,
                  resout if resout is not None else dummy,
                  shsum if shsum is not None else self.scratch,
-                 self.scratch, table, ctrl, host_flag, clock,
-                 rank, M, int(self.timeout_s * 1e9), self.routed_scale, self.eps,
+                 self.scratch, self._sq, self._cnt, table, ctrl, host_flag, clock,
+                 rank, M, int(self.timeout_s * 1e9), G, f32(self.routed_scale), f32(self.eps),
                  WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
                  W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=self.block, NUM_STAGES=NUM_STAGES,
+                 SQ_STRIDE=SQ_STRIDE,
                  FINALIZE=finalize, HAS_SCALE=self.routed_scale != 1.0, SHARED_ADD=shared_add,
                  HAS_RESIDUAL=residual is not None, SLOT32=slot32,
                  USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl,

@@ -22,22 +22,26 @@ Construction (DESIGN §4), in this fixed order on every rank:
 
 The tiers (DESIGN §2):
 
-* SEPARATE_REDUCE (always possible, the reference): the routed partial (finalize in fp32,
-  k ascending) and the shared partial are all-reduced **in fp32** (a 16-bit ring sum would
-  round partial sums, which the rounding contract forbids), then RMSNorm (fp32 statistics,
-  the normed latent rounded once) and the projection (:func:`k3tail.projection.project`,
+* SEPARATE_REDUCE (always possible, the reference): the routed partial (finalize k
+  ascending, rounded once to fp32) is all-reduced in fp64 and the shared partial in fp32
+  (a 16-bit ring sum would round partial sums, which the rounding contract forbids), then
+  RMSNorm (fp64 statistic, the normed latent rounded once).  The latent is formed by
+  :mod:`k3tail.numerics`, the twin of the kernels' arithmetic, so it has the same bits in
+  every tier (fp64 makes the sums independent of NCCL's order) and the projection (:func:`k3tail.projection.project`,
   one rounding).  Process groups use ``torch.distributed`` (gloo on CPU, NCCL on CUDA); on
   CUDA the routed branch runs on a second stream, overlapping the shared branch.  Loopback
   groups have no process group: they all-reduce with the foundation's one-shot Lamport
-  kernel (``oneshot_allreduce_kernel``) on **fp32 slots** (32-bit sentinel), in chunks of
+  kernel (``oneshot_allreduce_kernel``, fp64 accumulation) on **fp32 slots** (32-bit sentinel), in chunks of
   ``LOOPBACK_CHUNK`` rows, on the rank's own stream (no second stream there: two spinning
   grids per virtual rank could exceed the co-residency budget of ``LoopbackWorld``).
 * FUSED_LANE_AR: :class:`k3tail.finalize.LaneAllReduce` up to ``lane_max_tokens``; above it
-  one grouped fp32 all-reduce of the lane ``[routed L | shared H]``; then the projection.
+  one grouped fp64 all-reduce of the lane ``[routed L | shared H]``; then the projection.
 * TAIL_FUSION: :class:`k3tail.tail.LatentTail` (mailbox pool key = this module's ``prefix``).
 * MULTIMEM_AR: ``torch.ops.symm_mem.multimem_all_reduce_`` on an fp32 lane staged in a
   symmetric buffer pre-sized at init; only where the vote agreed multicast (never on this
-  project's machines: multicast is disabled there and this code never runs).
+  project's machines: multicast is disabled there and this code never runs).  The switch
+  sums in fp32 in its own order, so this tier's latent may differ from the others' in the
+  last fp32 bit (not order-free like the rest).
 * CUTE_FINALIZE: flashinfer mnnvl-cutedsl (``cute_fallback.mnnvl``, UNVERIFIED on hardware
   here: no SM100) gives the normed latent; each rank injects its projection shard into its
   fp32 shared partial; one fp32 all-reduce; prefix added; one rounding.
@@ -72,6 +76,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _launch as L
+from . import numerics
 from .allreduce import OneShotAllReduce
 from .errors import K3TailError, TierUnavailable
 from .tiers import TailCaps, Tier, select_tier
@@ -147,8 +152,8 @@ class _LoopbackFp32AllReduce:
 
     Launches the foundation's ``oneshot_allreduce_kernel`` (its protocol docstring applies
     unchanged) on an fp32 workspace armed entirely with the 32-bit sentinel: slots carry
-    fp32 partials, the sum is fp32 in rank order, "rounding" to fp32 is the identity, so
-    nothing is rounded to 16 bits.  Rows go in chunks of ``chunk``; every rank launches the
+    fp32 partials, the sum is fp64 in rank order rounded once to fp32, so nothing is
+    rounded to 16 bits.  Rows go in chunks of ``chunk``; every rank launches the
     same chunk sequence, so the 3-stage rotation argument holds per launch.
     """
 
@@ -483,34 +488,27 @@ class K3MoETail(nn.Module):
 
     # -- math helpers (fp32 throughout, one rounding per output) --------------------
     def _routed_partial(self, routed, expert_out, expert_weights, expanded_idx) -> torch.Tensor:
-        """This rank's routed partial in fp32: ``routed_scale * sum_{k ascending} w * rows``."""
-        c = self.config
-        if routed is not None:
-            p = routed.float()
-        else:
-            idx = expanded_idx.long()
-            valid = idx >= 0
-            rows = idx.clamp_min(0)
-            w = expert_weights.float()
-            p = torch.zeros(idx.shape[0], c.latent, dtype=torch.float32, device=self.device)
-            for k in range(idx.shape[1]):
-                contrib = expert_out[rows[:, k]].float() * w[:, k:k + 1]
-                p += torch.where(valid[:, k:k + 1], contrib, torch.zeros((), device=self.device))
-        if c.routed_scale != 1.0:
-            p = p * c.routed_scale
-        return p
+        """This rank's routed partial, rounded once to fp32 (``k3tail.numerics``: the kernels' twin)."""
+        return numerics.routed_partial(routed=routed, expert_out=expert_out, expert_weights=expert_weights,
+                                       expanded_idx=expanded_idx, scale=self.config.routed_scale)
 
     def _rmsnorm(self, s: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm with fp32 statistics; the normed latent rounded once to the model dtype."""
-        r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.config.eps)
-        return (s * r * norm_weight.float()).to(self.config.dtype)
+        """The kernels' RMSNorm (fp64 statistic, ``k3tail.numerics``); the latent rounded once."""
+        return numerics.rms_normalize(s, norm_weight, self.config.eps, self.config.dtype)
 
     def _allreduce_fp32(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """Sum over ranks in fp32 (never rounded to 16 bits)."""
+        """Sum over ranks, result fp32 (never rounded to 16 bits).  The routed sum is formed
+        in fp64 (NCCL/gloo sum in their own order; in fp64 the fp32 result does not depend on
+        it, so the latent gets the kernels' bits, ``k3tail.numerics``); the loopback
+        collective accumulates in fp64 itself."""
         if self.world_size == 1:
             return x
         if self.loopback:
             return (self._lb_routed if which == "routed" else self._lb_shared)(x.contiguous())
+        if which == "routed":
+            x64 = x.double()
+            dist.all_reduce(x64, group=self.comm.group)
+            return x64.float()
         x = x.contiguous()
         dist.all_reduce(x, group=self.comm.group)
         return x
@@ -521,9 +519,9 @@ class K3MoETail(nn.Module):
             return p, shared.float()
         if self.loopback:
             return self._lb_routed(p.contiguous()), self._lb_shared(shared.float())
-        lane = torch.cat([p, shared.float()], dim=1)
+        lane = torch.cat([p.double(), shared.double()], dim=1)  # fp64: order-free (k3tail.numerics)
         dist.all_reduce(lane, group=self.comm.group)
-        return lane[:, :L_], lane[:, L_:]
+        return lane[:, :L_].float(), lane[:, L_:].float()
 
     def _gather_cols(self, y: torch.Tensor) -> torch.Tensor:
         """All-gather the column shards ``[M, H/W]`` into ``[M, H]`` (exact copy)."""

@@ -6,6 +6,7 @@ the quantity is replicated) and returns float64 tensors unless it says otherwise
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -162,3 +163,31 @@ def tail_tie_slack(*, partials: Sequence[torch.Tensor], norm_weight: torch.Tenso
     near = (q - torch.floor(q) - 0.5).abs() <= tie_ulp
     slack = (near.double() * u) @ f64(up_weight).abs().T
     return slack, int(near.sum())
+
+
+def tail_noise_floor(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
+                     norm_weight: torch.Tensor, up_weight: torch.Tensor, eps: float,
+                     latent_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per-output absolute floor below which two correct fp32 implementations of the tail's
+    projection may legitimately disagree: ``2^-24 * (4 sqrt(L) ||n_l W[h, l]||_2 + 2 (|prefix| +
+    sum_r |shared_r|))``.
+
+    Two GEMMs that accumulate the same L products in fp32 in different orders (cuBLAS, a Triton
+    skinny GEMM, split-K) differ by a random walk of rounding errors, ~ 2^-24 sqrt(L) times the
+    products' 2-norm (4 sigma here); adding prefix and shared in fp32 adds one rounding each.
+    At an output near zero (cancellation) this absolute amount is many 16-bit ulps although both
+    results are correct to fp32 precision.  It is well below what a latent rounding flip moves
+    (``2^-8 |n_l W[h, l]|`` for one element), so a tier that forms the latent differently still
+    fails a check of "<= 2 ulp or <= this floor".  Returns fp64 ``[M, H]``.
+    """
+    s = torch.zeros_like(partials[0])
+    for p in partials:
+        s += p
+    n = rmsnorm(s, norm_weight, eps).to(latent_dtype).to(torch.float64)
+    w = f64(up_weight)
+    L_ = w.shape[1]
+    gemm = 4.0 * math.sqrt(L_) * torch.sqrt((n * n) @ (w * w).T)
+    addends = f64(prefix).abs()
+    for sh in shared:
+        addends = addends + f64(sh).abs()
+    return 2.0 ** -24 * (gemm + 2.0 * addends)

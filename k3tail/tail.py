@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _launch as L
+from .numerics import f32
 from .triton_kernels.tail_fusion import (BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_b_kernel,
                                           tail_c_kernel)
 from .workspace import (LoopbackGroup, Workspace, arm_region, comm_for, create_workspace,
@@ -129,7 +130,7 @@ def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype) -> _Set:
     rows = max(max_tokens, BLOCK_M)
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
     return _Set(ws=ws, layout=lay, normed=z(rows, latent, dt=dtype), sum32=z(rows, latent),
-                sq=z(rows, _SQ_STRIDE), rs32=z(rows, shard), cnt_a=z(rows, dt=torch.int32),
+                sq=z(rows, _SQ_STRIDE, dt=torch.float64), rs32=z(rows, shard), cnt_a=z(rows, dt=torch.int32),
                 cnt_b=z(_CNT_B, dt=torch.int32),
                 mc=torch.tensor([ws.multicast_ptr], dtype=torch.int64, device=dev),
                 dummy_idx=z(1, dt=torch.int32))
@@ -349,7 +350,7 @@ class LatentTail:
                  rt, eo, ew, idx, shared, norm_weight,
                  st.normed, st.sum32, st.sq, st.rs32, st.cnt_a,
                  ws.table, ws.ctrl, ws.host_flag, clock,
-                 ws.rank, M, timeout_ns, self.routed_scale, self.eps,
+                 ws.rank, M, timeout_ns, f32(self.routed_scale), f32(self.eps),
                  HIDDEN=H, LATENT=Lt, SHARD=S, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
                  SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
                  DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)

@@ -127,14 +127,15 @@ class LatentTailSpec(Spec):
 class _FusedSpec(Spec):
     def space(self, full, W, cfg):
         wp2 = 1 << max(0, (W - 1).bit_length())
-        blocks = [b for b in ((128, 256, 512, 1024, 2048, 4096) if full else (512, 1024, 2048))
+        blocks = [b for b in ((128, 256, 512, 1024, 2048, 4096) if full else (256, 512, 1024))
                   if b * wp2 <= (32768 if full else 16384)]
-        return {"block": blocks, "num_warps": [2, 4, 8, 16] if full else [4, 8]}
+        return {"block": blocks, "num_warps": [2, 4, 8, 16] if full else [4, 8],
+                "slices": [1, 2, 4, 8, 64] if full else [1, 64]}
 
     takes_shared = False  # does the op's call take this rank's shared partial?
 
     def resolved(self, ops):
-        return {"block": int(ops[0].block), "num_warps": int(ops[0].num_warps)}
+        return {"block": int(ops[0].block), "num_warps": int(ops[0].num_warps), "slices": int(ops[0].slices)}
 
     def step_for(self, world, ops, cfg, M, seed):
         ins = _inputs(world, cfg, M, seed)

@@ -28,10 +28,15 @@ K3_L, K3_H, K3_K = 3584, 7168, 16
 
 # ------------------------------------------------------------------------ case plumbing
 def _case(kind="std", *, width, K=4, M=2, dtype=torch.bfloat16, finalize=True, scale=1.0, shared=False,
-          residual=False, eps=1e-6, max_tokens=4, hidden=0, seed=0, wdtype=torch.float32):
+          residual=False, eps=1e-6, max_tokens=4, hidden=0, seed=0, wdtype=torch.float32, tactics=None):
+    """One test case; ``tactics=SLICED`` runs several programs per token (G > 1: slices and the
+    arrival-counter normalization, the GPU default) under the interpreter too."""
     return dict(kind=kind, width=width, K=K, M=M, dtype=dtype, finalize=finalize, scale=scale,
                 shared=shared, residual=residual, eps=eps, max_tokens=max_tokens, hidden=hidden,
-                seed=seed, wdtype=wdtype)
+                seed=seed, wdtype=wdtype, tactics=tactics)
+
+
+SLICED = {"block": 64, "slices": 4}
 
 
 def _inputs(c, rank):
@@ -56,9 +61,11 @@ def _inputs(c, rank):
 def _build(c, group=None):
     if c["kind"] == "lane":
         return k3tail.LaneAllReduce(group, latent=c["width"], hidden=c["hidden"], max_tokens=c["max_tokens"],
-                                    eps=c["eps"], routed_scale=c["scale"], dtype=c["dtype"], timeout_s=60.0)
+                                    eps=c["eps"], routed_scale=c["scale"], dtype=c["dtype"], timeout_s=60.0,
+                                    tactics=c["tactics"])
     return k3tail.FinalizeAllReduceRMSNorm(group, width=c["width"], max_tokens=c["max_tokens"], eps=c["eps"],
-                                           routed_scale=c["scale"], dtype=c["dtype"], timeout_s=60.0)
+                                           routed_scale=c["scale"], dtype=c["dtype"], timeout_s=60.0,
+                                           tactics=c["tactics"])
 
 
 def _run_case(op, c, rank, device="cpu"):
@@ -190,7 +197,7 @@ def test_cpu_w4_many_cases():
 W3_CASES = [
     _case(width=520, K=6, M=5, dtype=torch.bfloat16, max_tokens=6, seed=11),
     _case(width=520, K=6, M=5, dtype=torch.float16, max_tokens=6, shared=True, residual=True, scale=0.75,
-          seed=12, wdtype=torch.bfloat16),
+          seed=12, wdtype=torch.bfloat16, tactics=SLICED),
     _case(width=520, K=6, M=3, dtype=torch.bfloat16, finalize=False, shared=True, seed=13),
     _case("lane", width=520, hidden=1040, K=6, M=3, dtype=torch.float16, eps=1e-5, seed=14),
     _case("lane", width=520, hidden=264, M=2, dtype=torch.bfloat16, finalize=False, eps=1e-5, seed=15),
@@ -212,12 +219,12 @@ def test_cpu_w3_odd_shapes_and_timeout():
 
 
 W2_CASES = [
-    _case(width=384, K=5, M=3, dtype=torch.bfloat16, residual=True, seed=21),
+    _case(width=384, K=5, M=3, dtype=torch.bfloat16, residual=True, seed=21, tactics=SLICED),
     _case(width=384, K=5, M=3, dtype=torch.bfloat16, shared=True, seed=22),
     _case(width=384, K=5, M=3, dtype=torch.float16, shared=True, residual=True, seed=23),
     _case(width=384, M=4, dtype=torch.bfloat16, finalize=False, residual=True, shared=True, seed=24),
     _case(width=384, K=64, M=2, dtype=torch.bfloat16, max_tokens=2, seed=25),           # top_k 64
-    _case("lane", width=384, hidden=768, K=4, M=4, dtype=torch.bfloat16, eps=1e-5, seed=26),
+    _case("lane", width=384, hidden=768, K=4, M=4, dtype=torch.bfloat16, eps=1e-5, seed=26, tactics=SLICED),
     _case("lane", width=384, hidden=768, M=3, dtype=torch.float16, finalize=False, eps=1e-5, seed=27),
 ]
 
@@ -231,7 +238,8 @@ def test_cpu_w2_residual_shared_lane():
 
 W1_CASES = [
     _case(width=K3_L, K=K3_K, M=2, dtype=torch.bfloat16, seed=31),
-    _case(width=520, K=6, M=3, dtype=torch.float16, residual=True, shared=True, scale=1.5, seed=32),
+    _case(width=520, K=6, M=3, dtype=torch.float16, residual=True, shared=True, scale=1.5, seed=32,
+          tactics=SLICED),
     _case(width=520, M=3, dtype=torch.bfloat16, finalize=False, residual=True, seed=33),
     _case("lane", width=520, hidden=1040, K=6, M=2, dtype=torch.bfloat16, eps=1e-5, seed=34),
 ]

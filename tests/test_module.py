@@ -1,4 +1,5 @@
-"""K3MoETail: every possible tier against SEPARATE_REDUCE (<= 2 ulp) and the fp64 reference,
+"""K3MoETail: every possible tier against SEPARATE_REDUCE (<= 2 ulp, or the projection's fp32 noise
+floor at outputs near zero) and the fp64 reference,
 forced tiers, TierUnavailable, validation, logging, torch.compile, GPU loopback."""
 
 import logging
@@ -22,8 +23,9 @@ make_inputs = T.tail_inputs
 
 
 def reference(*, hidden, latent, top_k, M, W, form, eps=1e-5, seed=0):
-    """``(ref, slack, near_ties)``: the contract-faithful fp64 reference and the per-output slack
-    for latent elements on a rounding midpoint (``reference.tail_tie_slack`` says why)."""
+    """``(ref, slack, near_ties, floor)``: the contract-faithful fp64 reference, the per-output
+    slack for latent elements on a rounding midpoint (``reference.tail_tie_slack`` says why) and
+    the projection's fp32 noise floor (``reference.tail_noise_floor``)."""
     parts, shareds = [], []
     for r in range(W):
         prefix, gamma, up, shared, rt = make_inputs(hidden=hidden, latent=latent, top_k=top_k, M=M, W=W,
@@ -32,7 +34,9 @@ def reference(*, hidden, latent, top_k, M, W, form, eps=1e-5, seed=0):
         shareds.append(shared)
     ref = R.tail(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up, eps=eps)
     slack, ties = R.tail_tie_slack(partials=parts, norm_weight=gamma, up_weight=up, eps=eps)
-    return ref, slack, ties
+    floor = R.tail_noise_floor(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
+                               eps=eps)
+    return ref, slack, ties, floor
 
 
 def _run_tiers(mod, shape, M, W, rank, form, seed=0, device="cpu"):
@@ -70,7 +74,7 @@ def check_equivalence(per_rank, plans, W):
     for entries in zip(*per_rank):
         i, M, form, outs0, times = entries[0]
         shape = plans[i][0]
-        ref, slack, ties = reference(M=M, W=W, form=form, **shape)
+        ref, slack, ties, floor = reference(M=M, W=W, form=form, **shape)
         sep = outs0["SEPARATE_REDUCE"]
         for name in outs0:
             for r in range(W):  # identical on every rank
@@ -78,16 +82,26 @@ def check_equivalence(per_rank, plans, W):
                     f"{name} M={M}: rank {r} differs from rank 0"
             out = outs0[name]
             assert not torch.isnan(out.float()).any()
-            vs_sep = ((R.f64(out) - R.f64(sep)).abs() / R.ulp(R.f64(sep), out.dtype)).max().item()
+            d = (R.f64(out) - R.f64(sep)).abs()
+            u = R.ulp(R.f64(sep), out.dtype)
+            vs_sep = (d / u).max().item()
+            # Tiers agree within 2 ulp, or within the projection's fp32 noise floor at outputs near
+            # zero (different GEMMs sum in different orders; reference.tail_noise_floor).  The latent
+            # itself is bit-identical across tiers (tests/test_numerics.py), so a latent rounding flip
+            # (~2^-8 of a term) is far above this floor and fails here.
+            bad = d > 2 * u + floor
+            n_floor = int(((d > 2 * u) & ~bad).sum())
             st = R.error_stats(out, ref)
             within = (R.f64(out) - ref).abs() <= R.ulp(ref, out.dtype) + slack
             frac = float(within.double().mean())
-            print(f"W={W} H={shape['hidden']} M={M:3d} {form:6s} {name:16s} vs SEPARATE {vs_sep:.2f} ulp; "
+            print(f"W={W} H={shape['hidden']} M={M:3d} {form:6s} {name:16s} vs SEPARATE max {vs_sep:.2f} ulp "
+                  f"({n_floor} elements > 2 ulp within the fp32 floor, {int(bad.sum())} beyond); "
                   f"vs fp64 max {st['max_ulp']:.2f} ulp, <=1ulp {st['frac_le_1ulp']:.5f} "
                   f"({frac:.5f} with {ties} near-tie latent elements' slack), "
                   f"bias {st['bias']:+.3e} (rel {st['rel_bias']:+.2e}); {times[name]:.1f}s")
-            if vs_sep > 2.0:
-                failures.append(f"{name} W={W} M={M}: {vs_sep} ulp from SEPARATE_REDUCE")
+            if bad.any():
+                failures.append(f"{name} W={W} M={M}: {int(bad.sum())} elements more than 2 ulp (and the fp32 "
+                                f"floor) from SEPARATE_REDUCE, max {vs_sep:.1f} ulp")
             if frac < 0.999:
                 failures.append(f"{name} W={W} M={M} {form}: only {frac:.5f} within 1 ulp of the fp64 "
                                 f"reference; stats {st}")

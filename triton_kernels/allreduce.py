@@ -8,7 +8,9 @@ Who writes what.  Work item (token t, chunk c) is owned by one program on every 
 That program canonicalizes its chunk of ``x[t]`` and stores it into slot
 ``data[stage][rank][t][chunk]`` of *every* rank (itself included); it publishes all its
 items first.  It then polls its local ``data[stage][0..W-1][t][chunk]``, sums the W rows
-in rank order in fp32, rounds once, writes ``out[t][chunk]`` and re-arms the slots it
+in rank order in fp64 (``numerics.py``: the fp32 result then does not depend on the order
+of the sum, so an fp32 all-reduce here gives the bits the fused kernels give), rounds to
+fp32 (and from there to a 16-bit dtype), writes ``out[t][chunk]`` and re-arms the slots it
 read (it is their only reader; the re-arm follows a CTA barrier, see ``lamport.py``).
 
 Who re-arms what, and why it cannot race.  The consumer re-arms; ``stage`` rotates over
@@ -79,11 +81,11 @@ def oneshot_allreduce_kernel(
             ok = wait_ready(my_base + rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr,
                             deadline, USE_GLOBALTIMER)
             if ok:
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                for s in tl.static_range(W):  # rank order, fp32
+                acc = tl.zeros([BLOCK], dtype=tl.float64)
+                for s in tl.static_range(W):  # rank order, fp64 (order-free: numerics.py)
                     p = my_base + stage * STAGE_ELEMS + s * SLOT + t * WIDTH + col
-                    acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
-                tl.store(out_ptr + t * WIDTH + col, round_to(acc, DTYPE), mask=cmask)
+                    acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float64)
+                tl.store(out_ptr + t * WIDTH + col, round_to(acc.to(tl.float32), DTYPE), mask=cmask)
                 rearm(my_base + rows, rmask, DTYPE)  # barrier first: every thread has read
             item += nprog
     finish_launch(ctrl_ptr, nprog, NUM_STAGES)

@@ -23,40 +23,54 @@ partial with scale 1 travels in R16 columns ``[0, WIDTH)`` (``SLOT32=False``, ch
 call).  The lane's shared partial is an exact 16-bit input and travels in R16 columns
 ``[WIDTH, WIDTH + SH)``.
 
-Who writes what.  Program p handles tokens p, p+P, ... (persistent grid-stride ``while``
-loop; the same token -> program map on every rank).  For its token t it
+Who writes what.  Work item (token t, slice g), g < G, is handled by program
+(t * G + g) % P (persistent grid-stride ``while`` loop; the same item -> program map on
+every rank; G, the slices per token, is a runtime argument the host picks per call, the
+same on every rank).  Slice g owns the chunks c = g, g + G, ... of BLOCK columns of the
+routed row (and of the lane's shared row).  For its item the program
 
-1. *publishes*: for every chunk of BLOCK columns computes this rank's partial in fp32
-   (finalize: ``sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, slots with idx == -1 are
-   masked so their row is never loaded; times ``scale``; plus ``shared`` for the standalone
-   op), canonicalizes -0.0 and stores it into slot ``(stage, rank, t)`` of every rank
-   (itself included); the lane's shared chunks likewise into R16;
-2. *reduces*: for every chunk polls its local slots of all W sources ([W_P2, BLOCK] tile,
-   bounded wait), sums them in rank order in fp32 (+ residual), stores the fp32 sum into
-   its scratch row, accumulates the sum of squares, writes ``residual_out`` (rounded once)
-   and re-arms the slots it read (``lamport.rearm``: a CTA barrier first, so no thread of
-   the CTA clears an element another thread has not read yet); the lane's shared chunks are summed the same way and
-   written to ``shared_sum`` (fp32);
-3. *normalizes*: ``rstd = rsqrt(ssq / WIDTH + eps)``, then chunk by chunk
-   ``round(scratch * rstd * gamma)``.  Phase 3 reads back what the same program wrote in
-   phase 2; a CTA barrier (``tl.debug_barrier``) orders the two phases.  When the row fits
-   one chunk (``CHUNKS == 1``) the sum stays in registers and scratch is not touched.
+1. *publishes*: for each of its chunks computes this rank's partial, rounded once to fp32
+   (accumulated in fp64 as ``numerics.py`` defines; finalize:
+   ``sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, slots with idx == -1 are masked so
+   their row is never loaded; times ``scale``; plus ``shared`` for the standalone op),
+   canonicalizes -0.0 and stores it into slot ``(stage, rank, t)`` of every rank (itself
+   included); the lane's shared chunks likewise into R16;
+2. *reduces*: for each of its chunks polls its local slots of all W sources ([W_P2, BLOCK]
+   tile, bounded wait), sums them in rank order in fp64 (+ residual) and rounds once to
+   fp32, stores the fp32 sum into the scratch row, accumulates the fp64 sum of squares,
+   writes ``residual_out`` (rounded once) and re-arms the slots it read (``lamport.rearm``:
+   a CTA barrier first, so no thread of the CTA clears an element another thread has not
+   read yet); the lane's shared chunks are summed the same way and written to
+   ``shared_sum`` (fp32);
+3. *normalizes*.  G = 1: the program has the whole row; ``rstd = numerics.rms_rstd(ssq)``
+   (IEEE fp64), then chunk by chunk ``round(scratch * rstd * gamma)``; a CTA barrier
+   orders phase 2's scratch stores before these loads; when the row fits one chunk
+   (``CHUNKS == 1``) the sum stays in registers and scratch is not touched.  G > 1: the
+   program stores its slice's fp64 statistic into ``sq[t, g]``, then (CTA barrier, then an
+   acq_rel ``atomic_add`` on the local counter ``cnt[t]``) the program that arrives last
+   adds ``sq[t, 0..G-1]`` (one fixed reduction tree: deterministic, the same on every
+   rank; in fp64 its order does not reach the fp32 statistic), resets ``cnt[t]`` to 0 and
+   normalizes the whole row from scratch (volatile loads: other SMs wrote it).  Nobody
+   waits on the counter.
+
+``scratch``, ``sq`` and ``cnt`` are local to the rank (never addressed by peers); each
+element of scratch/sq is written by one program per call and read after the counter's
+acquire (or by the same program after a CTA barrier).
 
 World size 1 (``W == 1``): no slots at all, phase 1 writes the partial (+ residual) straight
 into the scratch row: still one launch, no communication.
 
-Who re-arms what, and why it cannot race.  The consumer re-arms its own slots right after
-summing them into scratch (it is their only reader: one program per token, G = 1).  Slot
-sets rotate over NUM_STAGES (3) stages on the device-side counter advanced by
+Who re-arms what, and why it cannot race.  Every slot chunk is read by exactly one program
+(the owner of its slice) on its rank, which re-arms it right after summing it.  Slot sets
+rotate over NUM_STAGES (3) stages on the device-side counter advanced by
 ``finish_launch``, so a producer's next write into a slot set comes after every rank
 re-armed it (argument in ``lamport.py``).  All ranks must launch the kernels of one
-workspace in the same order.
+workspace in the same order (and with the same G).
 
-Interpreter safety.  Program p only waits for token p (p+P, ...), which the peers' program
-p publishes before it waits itself, so running the programs of one launch one after
-another (the interpreter) cannot deadlock.  A G > 1 programs-per-token tactic (one token's
-statistics gathered from several programs) would not be interpreter-safe and is not
-implemented: M = 1 runs on one program.
+Interpreter safety.  Program p only waits for the chunks of its own items, which the
+peers' program p publishes (same item order on every rank) before it waits itself, so
+running the programs of one launch one after another (the interpreter) cannot deadlock;
+the arrival counter is never waited on.
 
 Bounded waits: a wait that passes its deadline poisons the workspace; the program then
 skips the rest of its work (outputs of that call are undefined; the host raises).
@@ -66,38 +80,38 @@ import triton
 import triton.language as tl
 
 from .lamport import (canonicalize, finish_launch, is_poisoned, now_ns, rearm, round_to, wait_ready)
+from .numerics import finalize64, rms_rstd, sq64
 
 
 @triton.jit
 def _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr, scale,
                    WIDTH: tl.constexpr, TOP_K: tl.constexpr, FINALIZE: tl.constexpr,
                    HAS_SCALE: tl.constexpr, SHARED_ADD: tl.constexpr):
-    """This rank's fp32 partial for columns ``col`` of token ``t``."""
+    """This rank's partial for columns ``col`` of token ``t``, rounded once to fp32
+    (fp64 inside: ``numerics.py``)."""
     t64 = t.to(tl.int64)
     if FINALIZE:
-        acc = tl.zeros(col.shape, dtype=tl.float32)
-        for k in tl.static_range(TOP_K):  # ascending k, fp32; unrolled so all row loads are in flight
-            e = tl.load(idx_ptr + t64 * TOP_K + k).to(tl.int64)
-            wk = tl.load(w_ptr + t64 * TOP_K + k).to(tl.float32)
-            row = tl.load(eo_ptr + e * WIDTH + col, mask=cmask & (e >= 0), other=0.0)
-            acc += tl.where(e >= 0, wk * row.to(tl.float32), 0.0)
+        acc = finalize64(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH, TOP_K)
     else:
-        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
+        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float64)
     if HAS_SCALE:
         acc = acc * scale
     if SHARED_ADD:
-        acc += tl.load(shared_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
-    return acc
+        acc += tl.load(shared_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float64)
+    return acc.to(tl.float32)
 
 
 @triton.jit
 def _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
                   WIDTH: tl.constexpr, CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
-    """The summed chunk ``s`` (fp32): add the residual (and store ``residual_out``, rounded once),
-    zero the masked lanes, park the chunk in the fp32 scratch row when the row spans several
-    chunks.  Returns the chunk; the caller adds its squares and keeps it when the row is one chunk."""
+    """The summed chunk ``s`` (fp64): add the residual, round to fp32 once (``residual_out`` is
+    that value rounded to 16 bits), zero the masked lanes, park the chunk in the fp32 scratch
+    row when the row spans several chunks.  Returns the chunk; the caller adds its squares and
+    keeps it when the row is one chunk."""
     if HAS_RESIDUAL:
-        s += tl.load(residual_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
+        s += tl.load(residual_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float64)
+    s = s.to(tl.float32)
+    if HAS_RESIDUAL:
         tl.store(resout_ptr + t64 * WIDTH + col, round_to(s, DTYPE), mask=cmask)
     s = tl.where(cmask, s, 0.0)
     if CHUNKS > 1:
@@ -105,15 +119,22 @@ def _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
     return s
 
 
-@triton.jit(do_not_specialize=["rank", "M", "timeout_ns"])
+@triton.jit
+def _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
+    """``normed = round(fp32(fp32(s * rstd) * gamma))`` for one chunk: the latent's only rounding."""
+    g = tl.load(gamma_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + t64 * WIDTH + col, round_to(s * rstd * g, DTYPE), mask=cmask)
+
+
+@triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "G"])
 def finalize_ar_norm_kernel(
     routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr, residual_ptr, gamma_ptr,
-    normed_ptr, resout_ptr, shsum_ptr, scratch_ptr,
+    normed_ptr, resout_ptr, shsum_ptr, scratch_ptr, sq_ptr, cnt_ptr,
     table_ptr, ctrl_ptr, host_flag_ptr, clock_ptr,
-    rank, M, timeout_ns, scale, eps,
+    rank, M, timeout_ns, G, scale, eps,
     WIDTH: tl.constexpr, SH: tl.constexpr, MAX_TOKENS: tl.constexpr,
     W: tl.constexpr, W_P2: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SQ_STRIDE: tl.constexpr,
     FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, SHARED_ADD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SLOT32: tl.constexpr,
     USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr,
@@ -144,113 +165,145 @@ def finalize_ar_norm_kernel(
     if W > 1:
         go = not is_poisoned(ctrl_ptr)
     if go:
-        t = pid
-        while t < M:
+        item = pid
+        while item < M * G:
+            t = item // G
+            g = item % G            # this item's slice: chunks g, g + G, ...
             t64 = t.to(tl.int64)
-            ssq = tl.zeros([BLOCK], dtype=tl.float32)
+            ssq = tl.zeros([BLOCK], dtype=tl.float64)  # fp64 statistic (numerics.py)
             keep = tl.zeros([BLOCK], dtype=tl.float32)  # the row sum when it fits one chunk
             ok = 1
             if W == 1:
                 # ---- no communication: partial (+ residual) straight into scratch
-                for c in range(CHUNKS):
-                    col = c * BLOCK + offs
-                    cmask = col < WIDTH
-                    s = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
-                                       scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE, SHARED_ADD)
-                    s = _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
-                                      WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
-                    ssq += s * s
-                    if CHUNKS == 1:
-                        keep = s
-                for c in range(CHUNKS_SH):
-                    col = c * BLOCK + offs
-                    cmask = col < SH
-                    v = tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0).to(tl.float32)
-                    tl.store(shsum_ptr + t64 * SH + col, v, mask=cmask)
+                for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
+                    c = g + j * G
+                    if c < CHUNKS:
+                        col = c * BLOCK + offs
+                        cmask = col < WIDTH
+                        s = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
+                                           scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE, SHARED_ADD)
+                        s = _finish_chunk(s.to(tl.float64), t64, col, cmask, residual_ptr, resout_ptr,
+                                          scratch_ptr, WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
+                        ssq += sq64(s)
+                        if CHUNKS == 1:
+                            keep = s
+                for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
+                    c = g + j * G
+                    if c < CHUNKS_SH:
+                        col = c * BLOCK + offs
+                        cmask = col < SH
+                        v = tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0).to(tl.float32)
+                        tl.store(shsum_ptr + t64 * SH + col, v, mask=cmask)
             else:
                 # ---- phase 1: publish this rank's partial into slot (stage, rank, t) of every rank
-                for c in range(CHUNKS):
-                    col = c * BLOCK + offs
-                    cmask = col < WIDTH
-                    x = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
-                                       scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE, SHARED_ADD)
-                    if SLOT32:
-                        x = canonicalize(x)
-                        off = stage * STAGE32 + rank * SLOT32_SRC + t64 * WIDTH + col
-                        for d in tl.static_range(W):
-                            peer = tl.load(table_ptr + d).to(tl.pointer_type(tl.float32))
-                            tl.store(peer + off, x, mask=cmask)
-                    else:
-                        x16 = canonicalize(x.to(DTYPE))  # exact: x is a 16-bit input (scale 1)
-                        off = OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + col
+                for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
+                    c = g + j * G
+                    if c < CHUNKS:
+                        col = c * BLOCK + offs
+                        cmask = col < WIDTH
+                        x = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
+                                           scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE, SHARED_ADD)
+                        if SLOT32:
+                            x = canonicalize(x)
+                            off = stage * STAGE32 + rank * SLOT32_SRC + t64 * WIDTH + col
+                            for d in tl.static_range(W):
+                                peer = tl.load(table_ptr + d).to(tl.pointer_type(tl.float32))
+                                tl.store(peer + off, x, mask=cmask)
+                        else:
+                            x16 = canonicalize(x.to(DTYPE))  # exact: x is a 16-bit input (scale 1)
+                            off = OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + col
+                            for d in tl.static_range(W):
+                                peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
+                                tl.store(peer + off, x16, mask=cmask)
+                for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
+                    c = g + j * G
+                    if c < CHUNKS_SH:
+                        col = c * BLOCK + offs
+                        cmask = col < SH
+                        x16 = canonicalize(tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0))
+                        off = OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + WIDTH + col
                         for d in tl.static_range(W):
                             peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
                             tl.store(peer + off, x16, mask=cmask)
-                for c in range(CHUNKS_SH):
-                    col = c * BLOCK + offs
-                    cmask = col < SH
-                    x16 = canonicalize(tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0))
-                    off = OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + WIDTH + col
-                    for d in tl.static_range(W):
-                        peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
-                        tl.store(peer + off, x16, mask=cmask)
-                # ---- phase 2: poll local slots, rank-order fp32 sum, scratch, re-arm
-                for c in range(CHUNKS):
-                    col = c * BLOCK + offs
-                    cmask = col < WIDTH
-                    rmask = (srcs[:, None] < W) & cmask[None, :]
-                    if SLOT32:
-                        rows = my32 + stage * STAGE32 + srcs[:, None] * SLOT32_SRC + t64 * WIDTH + col[None, :]
-                    else:
-                        rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + col[None, :]
-                    if ok:
-                        ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
-                                        USE_GLOBALTIMER).to(tl.int32)
-                    if ok:
-                        s = tl.zeros([BLOCK], dtype=tl.float32)
-                        for src in tl.static_range(W):  # rank order, fp32
-                            if SLOT32:
-                                p = my32 + stage * STAGE32 + src * SLOT32_SRC + t64 * WIDTH + col
-                            else:
-                                p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + col
-                            s += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
-                        s = _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
-                                          WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
-                        ssq += s * s
-                        if CHUNKS == 1:
-                            keep = s
+                # ---- phase 2: poll local slots, rank-order fp64 sum -> fp32, scratch, re-arm
+                for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
+                    c = g + j * G
+                    if c < CHUNKS:
+                        col = c * BLOCK + offs
+                        cmask = col < WIDTH
+                        rmask = (srcs[:, None] < W) & cmask[None, :]
                         if SLOT32:
-                            rearm(rows, rmask, tl.float32)  # CTA barrier first (lamport.rearm)
+                            rows = my32 + stage * STAGE32 + srcs[:, None] * SLOT32_SRC + t64 * WIDTH + col[None, :]
                         else:
+                            rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + col[None, :]
+                        if ok:
+                            ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
+                                            USE_GLOBALTIMER).to(tl.int32)
+                        if ok:
+                            s = tl.zeros([BLOCK], dtype=tl.float64)
+                            for src in tl.static_range(W):  # rank order, fp64 (numerics.py)
+                                if SLOT32:
+                                    p = my32 + stage * STAGE32 + src * SLOT32_SRC + t64 * WIDTH + col
+                                else:
+                                    p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + col
+                                s += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float64)
+                            s = _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
+                                              WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
+                            ssq += sq64(s)
+                            if CHUNKS == 1:
+                                keep = s
+                            if SLOT32:
+                                rearm(rows, rmask, tl.float32)  # CTA barrier first (lamport.rearm)
+                            else:
+                                rearm(rows, rmask, DTYPE)
+                for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
+                    c = g + j * G
+                    if c < CHUNKS_SH:
+                        col = c * BLOCK + offs
+                        cmask = col < SH
+                        rmask = (srcs[:, None] < W) & cmask[None, :]
+                        rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + WIDTH + col[None, :]
+                        if ok:
+                            ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
+                                            USE_GLOBALTIMER).to(tl.int32)
+                        if ok:
+                            v = tl.zeros([BLOCK], dtype=tl.float64)
+                            for src in tl.static_range(W):
+                                p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + WIDTH + col
+                                v += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float64)
+                            tl.store(shsum_ptr + t64 * SH + col, v.to(tl.float32), mask=cmask)
                             rearm(rows, rmask, DTYPE)
-                for c in range(CHUNKS_SH):
-                    col = c * BLOCK + offs
-                    cmask = col < SH
-                    rmask = (srcs[:, None] < W) & cmask[None, :]
-                    rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + WIDTH + col[None, :]
-                    if ok:
-                        ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
-                                        USE_GLOBALTIMER).to(tl.int32)
-                    if ok:
-                        v = tl.zeros([BLOCK], dtype=tl.float32)
-                        for src in tl.static_range(W):
-                            p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + WIDTH + col
-                            v += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float32)
-                        tl.store(shsum_ptr + t64 * SH + col, v, mask=cmask)
-                        rearm(rows, rmask, DTYPE)
-            # ---- phase 3: RMSNorm from the fp32 scratch row (written by this program)
-            tl.debug_barrier()
+            # ---- phase 3: RMSNorm of row t from its fp32 scratch row
+            tl.debug_barrier()  # every thread's scratch stores precede what follows
             if ok:
-                rstd = tl.rsqrt(tl.sum(ssq, axis=0) / WIDTH + eps)
-                for c in range(CHUNKS):
-                    col = c * BLOCK + offs
-                    cmask = col < WIDTH
-                    if CHUNKS == 1:
-                        s = keep
-                    else:
-                        s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0)
-                    g = tl.load(gamma_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-                    tl.store(normed_ptr + t64 * WIDTH + col, round_to(s * rstd * g, DTYPE), mask=cmask)
-            t += nprog
+                if G == 1:
+                    # the whole row is this program's: its statistic is complete
+                    rstd = rms_rstd(tl.sum(ssq, axis=0), WIDTH, eps)
+                    for c in range(CHUNKS):
+                        col = c * BLOCK + offs
+                        cmask = col < WIDTH
+                        if CHUNKS == 1:
+                            s = keep
+                        else:
+                            s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0)
+                        _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
+                else:
+                    # G slices: park this slice's fp64 statistic; the program completing row t
+                    # (arrival counter, acq_rel) adds the G statistics in slice order and
+                    # normalizes the whole row from scratch.  Nobody waits on the counter.
+                    tl.store(sq_ptr + t64 * SQ_STRIDE + g, tl.sum(ssq, axis=0))
+                    tl.debug_barrier()
+                    old = tl.atomic_add(cnt_ptr + t, 1)  # release: scratch + sq; acquire: the others'
+                    if old == G - 1:
+                        tl.store(cnt_ptr + t, 0)
+                        js = tl.arange(0, SQ_STRIDE)
+                        sqs = tl.load(sq_ptr + t64 * SQ_STRIDE + js, mask=js < G, other=0.0, volatile=True)
+                        rstd = rms_rstd(tl.sum(sqs, axis=0), WIDTH, eps)  # fixed tree: same on every rank
+                        for c in range(CHUNKS):
+                            col = c * BLOCK + offs
+                            cmask = col < WIDTH
+                            s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0, volatile=True)
+                            _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
+            item += nprog
     if W > 1:
         finish_launch(ctrl_ptr, nprog, NUM_STAGES)

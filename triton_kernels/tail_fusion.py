@@ -18,7 +18,7 @@ contract forbids rounding to 16 bits before the cross-rank sum.  ``rs`` carries 
 partial unchanged (an exact 16-bit input), ``mailbox`` the once-rounded output.
 
 Local (never addressed by peers) scratch of the set: ``sum32 [MT, L]`` fp32 (the reduced
-latent), ``sq [MT, SLICES]`` fp32 (partial sums of squares), ``normed [MT, L]`` dtype (the
+latent), ``sq [MT, SLICES]`` fp64 (partial sums of squares), ``normed [MT, L]`` dtype (the
 once-rounded normed latent, kernel B's A operand), ``rs32 [MT, S]`` fp32 (the reduced own
 shared shard, handed to B in fp32), ``cnt_a [MT]`` and ``cnt_b [..]`` int32 arrival
 counters (each reset to 0 by the program that completes it), ``part [SPLIT_K, 16, S]``
@@ -28,17 +28,17 @@ Kernels (all on the rank's stream, in the order A, B, C)
 ========================================================
 (A) ``tail_a_kernel``: work item (token t, slice s), s < SLICES; item i is handled by
     program i % P on every rank (persistent grid-stride loop, grid capped to stay
-    co-resident).  It computes this rank's routed row, columns of slice s, in fp32
-    (finalize ``scale * sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, or
+    co-resident).  It computes this rank's routed row, columns of slice s, rounded once to
+    fp32 (accumulated in fp64, ``numerics.py``; finalize ``scale * sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, or
     ``scale * routed[t]``), canonicalizes -0.0 and stores it into routed slot (t, rank)
     of EVERY rank; it stores slice s of column shard d of ``shared[t]`` into rs slot
     (t, rank) of rank d, for every d.  Then it polls its LOCAL routed slots (t, 0..W-1)
-    of slice s, sums them in rank order in fp32 into ``sum32`` (and the slice's sum of
-    squares into ``sq``), re-arms them; polls its local rs slots (t, 0..W-1) of slice s,
-    sums in rank order in fp32 into ``rs32``, re-arms them.  The program that completes
+    of slice s, sums them in rank order in fp64 and rounds once into ``sum32`` (and the
+    slice's fp64 sum of squares into ``sq``), re-arms them; polls its local rs slots
+    (t, 0..W-1) of slice s, sums them the same way into ``rs32``, re-arms them.  The program that completes
     token t (arrival counter ``cnt_a[t]``, acq_rel atomic) adds the SLICES partial sums
-    of squares in slice order, ``rstd = rsqrt(ss / L + eps)`` (``tl.rsqrt``, the same function
-    the lane kernel and torch's RMSNorm use, so tiers round the latent alike) and writes
+    of squares in slice order, ``rstd = numerics.rms_rstd(ss)`` (the statistic every tier
+    uses, so all tiers round the latent to the same bits) and writes
     ``normed[t] = round_to(sum32[t] * rstd * gamma)`` (the latent's only rounding).
     Interpreter-safe: program p only waits for data that the peers' program p publishes
     (same item order on every rank) before it waits; counters never wait.
@@ -98,6 +98,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (_INTERPRET, canonicalize, is_poisoned, now_ns, rearm, round_to, wait_ready)
+from .numerics import finalize64, rms_rstd, sq64
 
 BLOCK_M = 16        # M padded to 16 for tl.dot (TAIL_FUSION capacity is 16 tokens)
 PAD_BYTES_SIZE = 4096
@@ -138,17 +139,10 @@ def tail_a_kernel(
             lmask = col < LATENT
             # ---- this rank's routed row (slice s), fp32, published to every rank
             if DEFERRED:
-                x = tl.zeros([BLOCK_L], dtype=tl.float32)
-                for k in range(TOPK):  # ascending k, fp32
-                    e = tl.load(idx_ptr + t * TOPK + k)
-                    wk = tl.load(ew_ptr + t * TOPK + k).to(tl.float32)
-                    v = tl.load(eo_ptr + e.to(tl.int64) * LATENT + col, mask=lmask & (e >= 0),
-                                other=0.0).to(tl.float32)
-                    x = tl.where(e >= 0, x + wk * v, x)
-                x = x * routed_scale
+                x = finalize64(t.to(tl.int64), col, lmask, eo_ptr, ew_ptr, idx_ptr, LATENT, TOPK)
             else:
-                x = tl.load(routed_ptr + t * LATENT + col, mask=lmask, other=0.0).to(tl.float32) * routed_scale
-            x = canonicalize(x)
+                x = tl.load(routed_ptr + t * LATENT + col, mask=lmask, other=0.0).to(tl.float64)
+            x = canonicalize((x * routed_scale).to(tl.float32))  # the partial's one rounding
             slot = (t * W + rank) * LATENT + col
             for d in tl.static_range(W):
                 peer = tl.load(table_ptr + d).to(tl.pointer_type(tl.float32))
@@ -160,18 +154,19 @@ def tail_a_kernel(
                 v = canonicalize(tl.load(shared_ptr + t * HIDDEN + d * SHARD + cs, mask=smask, other=0.0))
                 peer_rs = (tl.load(table_ptr + d) + RS_BYTES).to(tl.pointer_type(DTYPE))
                 tl.store(peer_rs + (t * W + rank) * SHARD + cs, v, mask=smask)
-            # ---- poll local routed slots (t, 0..W-1), rank-order fp32 sum, re-arm
+            # ---- poll local routed slots (t, 0..W-1), rank-order fp64 sum -> fp32, re-arm
             rrows = (t * W + srcs[:, None]) * LATENT + col[None, :]
             rmask = (srcs[:, None] < W) & lmask[None, :]
             ok = wait_ready(my_routed + rrows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr,
                             deadline, USE_GLOBALTIMER)
             if ok:
-                acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+                acc64 = tl.zeros([BLOCK_L], dtype=tl.float64)
                 for r in tl.static_range(W):
-                    acc += tl.load(my_routed + (t * W + r) * LATENT + col, mask=lmask, other=0.0,
-                                   volatile=True)
+                    acc64 += tl.load(my_routed + (t * W + r) * LATENT + col, mask=lmask, other=0.0,
+                                     volatile=True).to(tl.float64)
+                acc = acc64.to(tl.float32)
                 tl.store(sum_ptr + t * LATENT + col, acc, mask=lmask)
-                tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(acc * acc))
+                tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(sq64(acc)))  # fp64 statistic
                 rearm(my_routed + rrows, rmask, tl.float32)  # barrier first (lamport.py)
                 # ---- poll local rs slots (t, 0..W-1), own shard slice, fp32 sum, re-arm
                 srows = (t * W + srcs[:, None]) * SHARD + cs[None, :]
@@ -179,11 +174,11 @@ def tail_a_kernel(
                 ok2 = wait_ready(my_rs + srows, sm2, ctrl_ptr, host_flag_ptr, clock_ptr,
                                  deadline, USE_GLOBALTIMER)
                 if ok2:
-                    sacc = tl.zeros([BLOCK_S], dtype=tl.float32)
+                    sacc = tl.zeros([BLOCK_S], dtype=tl.float64)
                     for r in tl.static_range(W):
                         sacc += tl.load(my_rs + (t * W + r) * SHARD + cs, mask=smask, other=0.0,
-                                        volatile=True).to(tl.float32)
-                    tl.store(rs32_ptr + t * SHARD + cs, sacc, mask=smask)
+                                        volatile=True).to(tl.float64)
+                    tl.store(rs32_ptr + t * SHARD + cs, sacc.to(tl.float32), mask=smask)
                     rearm(my_rs + srows, sm2, DTYPE)
                     # ---- the program completing token t normalizes the row
                     old = tl.atomic_add(cnt_ptr + t, 1)  # acq_rel: sees the others' sum32/sq
@@ -192,10 +187,8 @@ def tail_a_kernel(
                         ss = tl.load(sq_ptr + t * SQ_STRIDE, volatile=True)
                         for j in range(1, SLICES):  # slice order: deterministic
                             ss += tl.load(sq_ptr + t * SQ_STRIDE + j, volatile=True)
-                        # tl.rsqrt like the lane kernel (finalize_ar_norm.py) and torch.rsqrt in
-                        # SEPARATE_REDUCE: on the H200 the IEEE 1/sqrt_rn here made TAIL_FUSION round
-                        # some latent elements on a tie differently from the other tiers.
-                        rstd = tl.rsqrt(ss / LATENT + eps)
+                        # the shared statistic (numerics.py): every tier rounds the latent alike
+                        rstd = rms_rstd(ss, LATENT, eps)
                         for j in range(SLICES):
                             cj = j * BLOCK_L + offs_l
                             mj = cj < LATENT
