@@ -35,9 +35,14 @@ from k3tail.bench import results_meta  # noqa: E402
 from timing import graph_replay_us  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
-SWEEP = [dict(b_block_n=bn, b_split_k=sk, b_block_k=bk, b_stages=st)
+SWEEP = [dict(b_block_n=bn, b_split_k=sk, b_block_k=bk, b_stages=st, b_gemv_max_m=0)
          for bn, sk, bk, st in [(16, 1, 256, 4), (16, 2, 256, 4), (32, 2, 128, 4), (32, 4, 128, 4),
                                 (64, 4, 128, 3), (64, 8, 64, 4), (32, 8, 64, 4), (16, 4, 128, 4)]]
+# kernel B's GEMV variant (M <= 4; at M = 16 these run the default tiled kernel).  ptxas
+# (sm_90, L = 3584) keeps rows x 4096 / (32 x warps) <= 128 weights per thread spill-free
+# at M <= 4: rows 16 with 4 warps spills heavily and is left out.
+SWEEP += [dict(b_gemv_max_m=4, b_gemv_rows=r, b_gemv_warps=w)
+          for r, w in [(4, 4), (4, 8), (8, 4), (8, 8), (16, 8), (16, 16)]]
 
 
 def time_graph(fn, n_inner: int, n_rep: int = 50) -> float:

@@ -11,14 +11,15 @@ for phase in $phases; do
   case $phase in
     tests)
       timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests} -m gpu -q -rfE -p no:cacheprovider \
-        -o timeout=150 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Timeout|[0-9.]+ ulp|us " ;;
+        -o timeout=150 --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|Timeout|[0-9.]+ ulp|us |s call" ;;
     bench)
       for b in ${BENCHES:-bench_allreduce bench_finalize bench_tail}; do
         echo "== $b"; timeout ${BENCH_TIMEOUT:-200} python3 bench/$b.py --out bench/results 2>&1 | tee -a "$OUT/bench.log" | tail -25
       done ;;
     cli)
-      echo "== k3tail bench"; timeout 280 k3tail -v bench 2>&1 | tee -a "$OUT/cli.log" | tail -30
-      echo "== k3tail tune"; timeout 250 k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20 ;;
+      # tune first: the bench then runs with the tactics and crossovers it wrote
+      echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20
+      echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench 2>&1 | tee -a "$OUT/cli.log" | tail -30 ;;
   esac
 done
 tar czf "$OUT/results.tgz" bench/results k3tail/tables 2>/dev/null

@@ -8,10 +8,17 @@ tier gives (DESIGN §3.3, §6).  World size 1 runs the same kernel without commu
 
 ``group=None`` without an initialized ``torch.distributed`` means world size 1.
 
-Tactics (``tactics=`` dict, optional; must be identical on every rank): ``block`` (columns
-per chunk, power of two), ``num_warps``, ``slices`` (most programs per token, G: a call with
-M tokens uses ``G = min(slices, chunks per row, programs // M)`` so that small M still
-spreads the row over many SMs; G is a runtime argument, not a new kernel variant).
+Tactics (``tactics=`` dict, optional; must be identical on every rank).  A call runs in one
+of two shapes, chosen from M alone (so every rank chooses alike):
+
+* *sliced*, for small M: ``slice_block`` columns per chunk, ``slice_warps`` warps and
+  ``G = min(slices, chunks per row, programs // M)`` programs per token, used when that G
+  leaves each program at most 2 chunks; at M = 1 the K3 row (7 chunks x 16 expert rows) is
+  read by 7 SMs instead of one;
+* *wide*, otherwise: ``block`` columns per chunk (the whole K3 row at W = 1), ``num_warps``,
+  one program per token.
+
+``slices=1`` turns the sliced shape off.  Both are compiled variants of the same kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
 from .triton_kernels.lamport import NUM_STAGES
 
 SQ_STRIDE = 64  # most slices (programs) per token
+TACTIC_KEYS = ("block", "num_warps", "slices", "slice_block", "slice_warps")
 from .workspace import comm_for, create_workspace, interpret_mode
 
 MAX_TOP_K = 64
@@ -55,9 +63,10 @@ class _FusedBase:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         tactics = dict(tactics or {})
-        unknown = set(tactics) - {"block", "num_warps", "slices"}
+        known = set(TACTIC_KEYS)
+        unknown = set(tactics) - known
         if unknown:
-            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: block, num_warps, slices)")
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(known)})")
         self.group = group
         if group is None and not dist.is_initialized():
             self.comm = None  # a single process without torch.distributed: world size 1
@@ -89,14 +98,22 @@ class _FusedBase:
         wide = L.next_pow2(max(width, self.sh))
         if interpret_mode():
             block, slices = max(64, min(wide, 32768 // w_p2, 4096)), 1  # few, large programs
+        elif W == 1:
+            block, slices = max(64, min(wide, 4096)), SQ_STRIDE  # wide: the K3 row in registers
         else:
-            # 512-column chunks, one program per chunk while programs last: at M = 1 the K3
-            # row (7 chunks x 16 expert rows) is read by 7 SMs instead of one
-            block, slices = max(64, min(wide, 8192 // w_p2, 512)), SQ_STRIDE
+            block, slices = max(64, min(wide, 8192 // w_p2, 1024)), SQ_STRIDE
         self.block = int(tactics.get("block", block))
-        if self.block < 16 or self.block & (self.block - 1):
-            raise ValueError(f"tactics['block'] must be a power of two >= 16, got {self.block}")
+        self.slice_block = int(tactics.get("slice_block", max(64, min(wide, 512))))
+        for k in ("block", "slice_block"):
+            v = getattr(self, k)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {v}")
         self.num_warps = int(tactics.get("num_warps", 4 if W > 1 else max(4, min(16, self.block // 256))))
+        self.slice_warps = int(tactics.get("slice_warps", 4))
+        for k in ("num_warps", "slice_warps"):
+            v = getattr(self, k)
+            if v not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"tactics[{k!r}] must be a power of two in 1..32, got {v}")
         self.slices = int(tactics.get("slices", slices))
         if not 1 <= self.slices <= SQ_STRIDE:
             raise ValueError(f"tactics['slices'] must be in 1..{SQ_STRIDE}, got {self.slices}")
@@ -141,6 +158,15 @@ class _FusedBase:
         L.check_indices(expanded_idx, expert_out.shape[0])
         return M, True, K
 
+    def shape_for(self, M: int, cap: int):
+        """``(block, num_warps, G)`` of a call with M tokens and a ``cap``-program grid: the
+        sliced shape when it leaves each program at most 2 chunks, else the wide one."""
+        chunks = -(-self.width // self.slice_block)
+        G = min(self.slices, chunks, max(1, cap // max(M, 1)))
+        if G > 1 and chunks > 1 and -(-chunks // G) <= 2:
+            return self.slice_block, self.slice_warps, G
+        return self.block, self.num_warps, 1
+
     def _check_m(self, M):
         if M > self.max_tokens:
             raise ValueError(f"routed/expanded_idx has {M} rows but max_tokens is {self.max_tokens}")
@@ -159,8 +185,7 @@ class _FusedBase:
             rank = 0
             cap = L.grid_cap(None, self.device, self.num_warps)  # all SMs (no co-residency rule)
         pdl = L.pdl_enabled(self.device) if self.device.type == "cuda" else False
-        chunks = -(-self.width // self.block)
-        G = max(1, min(self.slices, chunks, cap // M)) if cap < (1 << 30) else min(self.slices, chunks)
+        block, warps, G = self.shape_for(M, cap)
         grid = (min(M * G, cap),)
         L.launch(finalize_ar_norm_kernel, grid,
                  routed if routed is not None else dummy,
@@ -175,12 +200,12 @@ class _FusedBase:
                  self.scratch, self._sq, self._cnt, table, ctrl, host_flag, clock,
                  rank, M, int(self.timeout_s * 1e9), G, f32(self.routed_scale), f32(self.eps),
                  WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
-                 W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=self.block, NUM_STAGES=NUM_STAGES,
-                 SQ_STRIDE=SQ_STRIDE,
+                 W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=block, NUM_STAGES=NUM_STAGES,
+                 SQ_STRIDE=SQ_STRIDE, NORM_BLOCK=min(L.next_pow2(self.width), 8192),
                  FINALIZE=finalize, HAS_SCALE=self.routed_scale != 1.0, SHARED_ADD=shared_add,
                  HAS_RESIDUAL=residual is not None, SLOT32=slot32,
                  USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl,
-                 pdl=pdl, num_warps=self.num_warps)
+                 pdl=pdl, num_warps=warps)
         if ws is not None:
             L.after_launch(ws, self.op_name, self.timeout_s)
 

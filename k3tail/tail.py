@@ -3,7 +3,10 @@
 ``out = prefix + RMSNorm(sum_r routed_r) @ W_up^T + sum_r shared_r`` for M <= max_tokens
 (16) tokens in three launches (A: finalize + latent all-reduce + RMSNorm + shared
 reduce-scatter; B: sharded skinny up-projection with the fused epilogue, broadcasting the
-finished shard into every rank's mailbox; C: Lamport gather), no barrier.
+finished shard into every rank's mailbox; C: Lamport gather), no barrier.  B is a tiled
+``tl.dot`` GEMM (tactics ``b_block_n``, ``b_block_k``, ``b_split_k``, ``b_warps``,
+``b_stages``), or for ``M <= b_gemv_max_m`` (0 = never, at most 4) a GEMV
+(``b_gemv_rows`` shard rows per program, ``b_gemv_warps``); same epilogue, same numerics.
 
 Workspace pool (DESIGN §3.1).  Workspace sets live in pools keyed by (group identity,
 device, world size, hidden, latent, max_tokens, dtype, pool_depth).  A pool holds
@@ -31,8 +34,8 @@ import torch.distributed as dist
 
 from . import _launch as L
 from .numerics import f32
-from .triton_kernels.tail_fusion import (BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_b_kernel,
-                                          tail_c_kernel)
+from .triton_kernels.tail_fusion import (BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_b_gemv_kernel,
+                                          tail_b_kernel, tail_c_kernel)
 from .workspace import (LoopbackGroup, Workspace, arm_region, comm_for, create_workspace,
                         interpret_mode, CTRL_WORDS)
 
@@ -41,6 +44,9 @@ __all__ = ["LatentTail", "shard_gemm", "workspace_layout"]
 _SQ_STRIDE = 64          # most A slices per token
 _CNT_B = 4096            # most (N-block) counters of B
 _MAX_SPLIT_K = 16
+_MAX_GEMV_M = 4          # the GEMV variant of B unrolls over M padded to a power of two
+_MAX_GEMV_ROWS = 64
+_MAX_NUMEL = 1 << 20     # Triton's largest block (the GEMV's [rows, L padded] weight tile)
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -143,7 +149,8 @@ def _default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) 
         # The interpreter runs programs one after another: few, large programs.
         return {"a_slices": 1, "b_block_n": max(16, min(256, p2(shard))),
                 "b_block_k": max(16, min(512, p2(latent))), "b_split_k": 1, "b_warps": 4,
-                "b_stages": 1, "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
+                "b_stages": 1, "b_gemv_max_m": 0, "b_gemv_rows": 8, "b_gemv_warps": 4,
+                "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
     bn = 32 if shard >= 32 else 16
@@ -157,7 +164,8 @@ def _default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) 
             split, bk = s, cand[0]
             break
     return {"a_slices": slices, "b_block_n": bn, "b_block_k": bk, "b_split_k": split, "b_warps": 4,
-            "b_stages": 4, "c_block": 1024, "c_programs": 16}
+            "b_stages": 4, "b_gemv_max_m": _MAX_GEMV_M, "b_gemv_rows": 8, "b_gemv_warps": 8,
+            "c_block": 1024, "c_programs": 16}
 
 
 def _check_tactics(t: dict, latent: int) -> None:
@@ -172,6 +180,16 @@ def _check_tactics(t: dict, latent: int) -> None:
     for k in ("b_block_n", "b_block_k", "c_block"):
         if t[k] < 16 or t[k] & (t[k] - 1):
             raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
+    g = t.get("b_gemv_max_m")
+    if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g <= _MAX_GEMV_M:
+        raise ValueError(f"tactics['b_gemv_max_m'] must be an int in 0..{_MAX_GEMV_M} (0 = no GEMV), got {g!r}")
+    for k, hi in (("b_gemv_rows", _MAX_GEMV_ROWS), ("b_gemv_warps", 32)):
+        v = t.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi or v & (v - 1):
+            raise ValueError(f"tactics[{k!r}] must be a power of two in 1..{hi}, got {v!r}")
+    if g and t["b_gemv_rows"] * L.next_pow2(latent) > _MAX_NUMEL:
+        raise ValueError(f"tactics['b_gemv_rows'] ({t['b_gemv_rows']}) x latent padded to a power of two "
+                         f"({L.next_pow2(latent)}) exceeds Triton's largest block ({_MAX_NUMEL})")
 
 
 def _b_constexprs(t: dict, *, hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool,
@@ -181,6 +199,26 @@ def _b_constexprs(t: dict, *, hidden: int, latent: int, shard: int, W: int, lay:
                 BLOCK_K=t["b_block_k"], SPLIT_K=t["b_split_k"],
                 EVEN_K=latent % (t["b_block_k"] * t["b_split_k"]) == 0, EVEN_N=shard % t["b_block_n"] == 0,
                 MULTICAST=multicast, USE_PDL=use_pdl, num_stages=t["b_stages"])
+
+
+def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank: int, *,
+              hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
+    """Kernel B: the GEMV variant for ``M <= b_gemv_max_m``, else the tiled GEMM."""
+    if M <= t["b_gemv_max_m"]:
+        rows = t["b_gemv_rows"]
+        L.launch(tail_b_gemv_kernel, (-(-shard // rows),),
+                 normed, up_weight, rs32, prefix, table, mc, ctrl, rank, M,
+                 HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
+                 PAD_BYTES=lay["pad_off"], ROWS=rows, K_P2=L.next_pow2(latent), M_P2=L.next_pow2(M),
+                 EVEN_N=shard % rows == 0, MULTICAST=multicast, USE_PDL=pdl,
+                 num_warps=t["b_gemv_warps"], pdl=pdl)
+        return
+    n_blocks = -(-shard // t["b_block_n"])
+    L.launch(tail_b_kernel, (n_blocks * t["b_split_k"],),
+             normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank, M,
+             **_b_constexprs(t, hidden=hidden, latent=latent, shard=shard, W=W, lay=lay,
+                             multicast=multicast, use_pdl=pdl),
+             num_warps=t["b_warps"], pdl=pdl)
 
 
 class LatentTail:
@@ -249,6 +287,14 @@ class LatentTail:
             if -(-self.shard // t["b_block_n"]) > _CNT_B:
                 raise ValueError("tactics: too many B blocks for the split-K counters")
             self._set.ensure_part(t["b_split_k"], self.shard)
+
+    def _multicast_ok(self, M: int) -> bool:
+        """Kernel B's multicast stores go in 32-bit pairs of columns: only where the workspace has
+        a multicast address (never on this project's machines), the shard width is even and
+        the N tile of the variant that runs is even; otherwise unicast (same values)."""
+        t = self.tactics
+        n_tile = t["b_gemv_rows"] if 0 < M <= t["b_gemv_max_m"] else t["b_block_n"]
+        return self.ws.multicast_ptr != 0 and self.shard % 2 == 0 and n_tile % 2 == 0
 
     # ------------------------------------------------------------------ pool
     def _acquire_set(self) -> _Set:
@@ -355,14 +401,10 @@ class LatentTail:
                  SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
                  DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)
         # ---- B
-        n_blocks = -(-S // t["b_block_n"])
         part = st.part if t["b_split_k"] > 1 else st.sum32
-        L.launch(tail_b_kernel, (n_blocks * t["b_split_k"],),
-                 st.normed, up_weight, st.rs32, prefix, part, st.cnt_b,
-                 ws.table, st.mc, ws.ctrl, ws.rank, M,
-                 **_b_constexprs(t, hidden=H, latent=Lt, shard=S, W=W, lay=st.layout,
-                                 multicast=ws.multicast_ptr != 0, use_pdl=pdl),
-                 num_warps=t["b_warps"], pdl=pdl)
+        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, part, st.cnt_b, ws.table, st.mc, ws.ctrl,
+                  ws.rank, hidden=H, latent=Lt, shard=S, W=W, lay=st.layout,
+                  multicast=self._multicast_ok(M), pdl=pdl)
         # ---- C
         chunks = -(-H // t["c_block"])
         L.launch(tail_c_kernel, (max(1, min(M * chunks, t["c_programs"], cap)),),
@@ -379,7 +421,8 @@ _standalone: dict = {}
 
 def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                tactics: Optional[dict] = None) -> torch.Tensor:
-    """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``.
+    """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``
+    (its GEMV variant when ``M <= tactics["b_gemv_max_m"]``).
 
     For the benchmark and tests: the "mailbox" is ``out`` itself, the shared shard and
     the prefix are zeros, so the result is the fp32-accumulated product rounded once.
@@ -414,11 +457,6 @@ def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[t
              "ctrl": torch.zeros(CTRL_WORDS, dtype=torch.int32, device=dev)}
         _standalone[k] = h
     lay = {"mb_off": 0, "pad_off": 0}
-    n_blocks = -(-N // t["b_block_n"])
-    pdl = False
-    L.launch(tail_b_kernel, (n_blocks * t["b_split_k"],),
-             normed, up_weight, h["rs32"], h["prefix"], h["part"], h["cnt"],
-             h["table"], h["mc"], h["ctrl"], 0, M,
-             **_b_constexprs(t, hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, use_pdl=pdl),
-             num_warps=t["b_warps"], pdl=pdl)
+    _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["part"], h["cnt"], h["table"], h["mc"],
+              h["ctrl"], 0, hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False)
     return out

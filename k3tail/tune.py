@@ -95,9 +95,10 @@ class LatentTailSpec(Spec):
     def space(self, full, W, cfg):
         if full:
             return {"b_block_n": [16, 32, 64, 128], "b_split_k": [1, 2, 4, 8, 16], "b_block_k": [64, 128, 256],
-                    "b_warps": [2, 4, 8], "b_stages": [2, 3, 4, 5], "a_slices": [1, 2, 4, 7, 14, 28],
+                    "b_warps": [2, 4, 8], "b_stages": [2, 3, 4, 5], "b_gemv_max_m": [0, 1, 2, 4],
+                    "b_gemv_rows": [4, 8, 16], "b_gemv_warps": [4, 8, 16], "a_slices": [1, 2, 4, 7, 14, 28],
                     "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
-        return {"b_block_n": [16, 32, 64], "b_split_k": [1, 2, 4, 8], "b_warps": [4, 8],
+        return {"b_block_n": [16, 32, 64], "b_split_k": [1, 2, 4, 8], "b_warps": [4, 8], "b_gemv_max_m": [0, 4],
                 "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
@@ -130,12 +131,16 @@ class _FusedSpec(Spec):
         blocks = [b for b in ((128, 256, 512, 1024, 2048, 4096) if full else (256, 512, 1024))
                   if b * wp2 <= (32768 if full else 16384)]
         return {"block": blocks, "num_warps": [2, 4, 8, 16] if full else [4, 8],
-                "slices": [1, 2, 4, 8, 64] if full else [1, 64]}
+                "slices": [1, 2, 4, 8, 64] if full else [1, 64],
+                "slice_block": [128, 256, 512, 1024] if full else [256, 512],
+                "slice_warps": [2, 4, 8] if full else [4, 8]}
 
     takes_shared = False  # does the op's call take this rank's shared partial?
 
     def resolved(self, ops):
-        return {"block": int(ops[0].block), "num_warps": int(ops[0].num_warps), "slices": int(ops[0].slices)}
+        o = ops[0]
+        return {"block": int(o.block), "num_warps": int(o.num_warps), "slices": int(o.slices),
+                "slice_block": int(o.slice_block), "slice_warps": int(o.slice_warps)}
 
     def step_for(self, world, ops, cfg, M, seed):
         ins = _inputs(world, cfg, M, seed)

@@ -166,11 +166,15 @@ def test_tune_specs_cover_the_ops_tactic_keys():
     from k3tail import tail
     known = set(tail._default_tactics(hidden=7168, latent=3584, W=8, device=torch.device("cpu")))
     assert set(lt) <= known, set(lt) - known
+    from k3tail.finalize import TACTIC_KEYS, FinalizeAllReduceRMSNorm
     for name in ("LaneAllReduce", "FinalizeAllReduceRMSNorm"):
         for full in (False, True):
             sp = TU.SPECS[name].space(full, 8, cfg)
-            assert set(sp) <= {"block", "num_warps"}
+            assert set(sp) <= set(TACTIC_KEYS), set(sp) - set(TACTIC_KEYS)
             assert all(b * 8 <= 32768 for b in sp["block"])
+            for k, values in sp.items():  # every candidate value is one the op accepts
+                for v in values:
+                    FinalizeAllReduceRMSNorm(width=cfg.latent, max_tokens=1, tactics={k: v})
     assert set(TU.SPECS["project"].space(True, 8, cfg)) <= {"triton_max_m", "block_n", "block_k", "num_warps"}
     with pytest.raises(ValueError):
         TU.SPECS["project"].build(None, cfg, {"block_n": 24}, "t", 1.0, 16)

@@ -56,10 +56,11 @@ def _drive_w1():
         residual=T.randn((M, Lt), torch.bfloat16, 2))
     project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),
             prefix=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6))
-    LatentTail(hidden=H, latent=Lt, top_k=K, key="compile.w1", max_tokens=4)(
-        prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
-        norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
-        expert_out=eo, expert_weights=w, expanded_idx=idx)
+    for key, tactics in (("compile.w1", None), ("compile.w1.gemv", {"b_gemv_max_m": 4})):  # B tiled / GEMV
+        LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
+            prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
+            norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
+            expert_out=eo, expert_weights=w, expanded_idx=idx)
 
 
 def _rank_records(rank, W):
@@ -75,11 +76,12 @@ def _rank_records(rank, W):
         LaneAllReduce(latent=Lt, hidden=H, max_tokens=4, top_k=K)(
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), shared=T.randn((M, H), torch.bfloat16, 20 + rank),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
-        LatentTail(hidden=H, latent=Lt, top_k=K, key="compile.w2", max_tokens=4)(
-            prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 30 + rank),
-            norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
-            up_weight=T.randn((H // W, Lt), torch.bfloat16, 9), expert_out=eo, expert_weights=w,
-            expanded_idx=idx)
+        for key, tactics in (("compile.w2", None), ("compile.w2.gemv", {"b_gemv_max_m": 4})):  # B tiled / GEMV
+            LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
+                prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 30 + rank),
+                norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
+                up_weight=T.randn((H // W, Lt), torch.bfloat16, 9), expert_out=eo, expert_weights=w,
+                expanded_idx=idx)
     finally:
         L.launch = _ORIG
     return list(_RECORDS)
@@ -94,10 +96,14 @@ from triton.compiler import ASTSource
 done = set()
 for rec in json.load(sys.stdin):
     kern = getattr(importlib.import_module(rec["module"]), rec["name"])
-    for pdl in (True, False):
+    # kernel B's multicast-store variant never runs here (no multicast on these machines), but
+    # it must assemble: compile it too (with PDL) wherever a unicast variant was launched
+    mc_variants = [(True, False), (False, False), (True, True)] if "MULTICAST" in kern.arg_names else \
+        [(True, None), (False, None)]
+    for pdl, mc in mc_variants:
         const = dict(rec["constexprs"])
-        for flag, val in (("USE_GLOBALTIMER", True), ("USE_PDL", pdl)):
-            if flag in kern.arg_names:
+        for flag, val in (("USE_GLOBALTIMER", True), ("USE_PDL", pdl), ("MULTICAST", mc)):
+            if flag in kern.arg_names and val is not None:
                 const[flag] = val
         key = (rec["name"], json.dumps(rec["sig"], sort_keys=True), json.dumps(const, sort_keys=True, default=str))
         if key in done:
@@ -107,7 +113,7 @@ for rec in json.load(sys.stdin):
         src = ASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert ".target sm_90" in k.asm["ptx"], rec["name"]
-        print("compiled", rec["name"], "pdl" if pdl else "no-pdl", flush=True)
+        print("compiled", rec["name"], "pdl" if pdl else "no-pdl", "multicast" if mc else "", flush=True)
 '''
 
 
@@ -117,8 +123,8 @@ def test_every_launched_variant_compiles_for_sm90(monkeypatch):
     _drive_w1()
     records = list(_RECORDS) + [r for rank_recs in k3tail.spawn(2, _rank_records) for r in rank_recs]
     names = {r["name"] for r in records}
-    assert {"finalize_ar_norm_kernel", "projection_kernel", "tail_a_kernel", "tail_b_kernel", "tail_c_kernel",
-            "oneshot_allreduce_kernel"} <= names, names
+    assert {"finalize_ar_norm_kernel", "projection_kernel", "tail_a_kernel", "tail_b_kernel", "tail_b_gemv_kernel",
+            "tail_c_kernel", "oneshot_allreduce_kernel"} <= names, names
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(records), capture_output=True,
                        text=True, env=env, timeout=900)

@@ -36,7 +36,7 @@ def _case(kind="std", *, width, K=4, M=2, dtype=torch.bfloat16, finalize=True, s
                 seed=seed, wdtype=wdtype, tactics=tactics)
 
 
-SLICED = {"block": 64, "slices": 4}
+SLICED = {"slice_block": 64, "slices": 8}
 
 
 def _inputs(c, rank):

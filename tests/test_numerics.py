@@ -73,8 +73,8 @@ def _build(W, shape, M, form, scale, eps, group=None, sliced=False):
     ``sliced``: small chunks and several programs per token (G > 1) for the two fused ops, so
     the interpreter runs the arrival-counter normalization too (the GPU defaults do)."""
     H, Lt, K = shape["hidden"], shape["latent"], shape["top_k"]
-    lane_t = {"block": 128, "slices": 3} if sliced else None
-    op_t = {"block": 64, "slices": 4} if sliced else None
+    lane_t = {"slice_block": 128, "slices": 3} if sliced else None
+    op_t = {"slice_block": 64, "slices": 8} if sliced else None
     return (k3tail.LatentTail(group, hidden=H, latent=Lt, top_k=K, eps=eps, routed_scale=scale, max_tokens=M,
                               key=f"numerics.{W}.{form}.{scale}"),
             k3tail.LaneAllReduce(group, latent=Lt, hidden=H, max_tokens=M, top_k=K, eps=eps, routed_scale=scale,

@@ -2,9 +2,10 @@
 
 CPU: one k3tail.spawn per world size runs a batch of cases (small shape H 512 / L 256 /
 top-k 4 with materialized and deferred routed partials, two or three interleaved layer
-keys, a split-K / multi-slice tactic, fp16, the K3 shape at M = 1, 4, 16), plus M = 0
-and timeout/poison; the parent checks bitwise agreement across ranks and <= 1 ulp from
-the contract-faithful fp64 reference for >= 99.9% of elements, printing the signed bias.
+keys, a split-K / multi-slice tactic, fp16, the K3 shape at M = 1, 4, 16, kernel B's GEMV
+variant on a shape with L not a power of two), plus M = 0 and timeout/poison (tiled and
+GEMV kernel B); the parent checks bitwise agreement across ranks and <= 1 ulp from the
+contract-faithful fp64 reference for >= 99.9% of elements, printing the signed bias.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from k3tail.errors import PeerTimeout, WorkspacePoisoned
 
 SMALL = (512, 256, 4)
 K3 = (7168, 3584, 16)
+GEMV_SHAPE = (128, 200, 4)   # shard 64 at W = 2; L = 200 is not a power of two
+GEMV = {"b_gemv_max_m": 4, "b_gemv_rows": 8}   # kernel B's GEMV variant for M <= 4
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -90,6 +93,12 @@ def cpu_cases(W: int) -> list:
     ]
     if W == 2:
         cases += [dict(key="fp16", shape=SMALL, M=4, deferred=True, seed=8, dtype=torch.float16),
+                  # kernel B's GEMV variant (M <= 4), then the tiled GEMM on the same set (M = 6)
+                  dict(key="gemv", shape=GEMV_SHAPE, M=1, deferred=True, seed=9, tactics=GEMV),
+                  dict(key="gemv", shape=GEMV_SHAPE, M=3, deferred=False, seed=10, tactics=GEMV),
+                  dict(key="gemv", shape=GEMV_SHAPE, M=4, deferred=True, seed=11, tactics=GEMV),
+                  dict(key="gemv", shape=GEMV_SHAPE, M=6, deferred=True, seed=12, tactics=GEMV),
+                  dict(key="gemv", shape=GEMV_SHAPE, M=2, deferred=False, seed=13, tactics=GEMV),
                   dict(key="k3", shape=K3, M=1, deferred=True, seed=20),
                   dict(key="k3", shape=K3, M=4, deferred=False, seed=21),
                   dict(key="k3", shape=K3, M=16, deferred=True, seed=22)]
@@ -123,15 +132,25 @@ def _worker(rank: int, W: int, cases: list, poison: bool):
     except ValueError as e:
         res["bad_hidden"] = str(e)
     if poison:
-        res.update(_poison_steps(rank, W))
+        res.update(_poison_steps(rank, W, dict(key="poison", shape=SMALL, M=2, deferred=True, seed=40)))
+        # M = 1, kernel B tiled and GEMV (each its own pool: another shape or max_tokens)
+        res["tiled1"] = _poison_steps(rank, W, dict(key="poison.tiled", shape=GEMV_SHAPE, M=1, deferred=True,
+                                                    seed=41, tactics={"b_gemv_max_m": 0}), max_tokens=8)
+        res["gemv1"] = _poison_steps(rank, W, dict(key="poison.gemv", shape=GEMV_SHAPE, M=1, deferred=True,
+                                                   seed=42, tactics=GEMV))
     return res
 
 
-def _poison_steps(rank: int, W: int) -> dict:
+def _poison_steps(rank: int, W: int, c: dict, **kw) -> dict:
+    """A call; then one that the last rank skips: its peers time out in A and poison their
+    workspace, and their B must store nothing into its mailbox; then one on every rank: the
+    peers fail fast, the last rank times out in C.  At M = 1 that timeout proves B's
+    poison gate: the peers' A of the skipped call stored all their routed/rs slots (one
+    item, before its wait), so the last rank's A and B complete, and only a peer B store
+    from the skipped call could fill its mailbox."""
     import torch.distributed as dist
 
-    c = dict(key="poison", shape=SMALL, M=2, deferred=True, seed=40)
-    tail = make_tail(None, c, timeout_s=1.5, pool_depth=1)  # its own pool
+    tail = make_tail(None, c, timeout_s=1.5, pool_depth=1, **kw)  # its own pool
     r = {"p1": tuple(call_tail(tail, c, rank, W).shape)}
     dist.barrier()
     if rank != W - 1:  # the last rank skips this call
@@ -170,13 +189,16 @@ def _run_cpu(W: int, poison: bool):
 def test_tail_cpu_w2():
     res = _run_cpu(2, poison=True)
     W = 2
-    for rank, r in enumerate(res):
-        assert r["p1"] == (2, SMALL[0])
-        if rank != W - 1:
-            assert r["p2"] == "PeerTimeout", r
-            assert r["p3"] == "WorkspacePoisoned" and r["p3_s"] < 1.0, r  # fails fast
-        else:
-            assert r["p3"] == "PeerTimeout", r  # its peers never run kernel B again
+    for rank, res_r in enumerate(res):
+        for r, shape in ((res_r, (2, SMALL[0])), (res_r["tiled1"], (1, GEMV_SHAPE[0])),
+                         (res_r["gemv1"], (1, GEMV_SHAPE[0]))):
+            assert r["p1"] == shape
+            if rank != W - 1:
+                assert r["p2"] == "PeerTimeout", r
+                assert r["p3"] == "WorkspacePoisoned" and r["p3_s"] < 1.0, r  # fails fast
+            else:
+                # its peers never run B again, and (M = 1) their B of the skipped call stored nothing
+                assert r["p3"] == "PeerTimeout", r
 
 
 def test_tail_cpu_w4():
@@ -222,6 +244,8 @@ def test_tail_w1_and_bad_inputs():
         LatentTail(hidden=H, latent=Lt, key="x", dtype=torch.float32)
     with pytest.raises(ValueError, match="tactics"):
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_block_n": 24})
+    with pytest.raises(ValueError, match="b_gemv_max_m"):
+        LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_gemv_max_m": 8})
     assert tail(**dict(good, prefix=prefix[:0], shared=shared[0][:0],
                        expert_weights=routed[0]["expert_weights"][:0],
                        expanded_idx=routed[0]["expanded_idx"][:0])).shape == (0, H)
@@ -240,6 +264,49 @@ def test_tail_w1_and_bad_inputs():
                                     num_layers=61)
     print(f"symmetric bytes per rank, 61 layers, W=8: {nb / 2**20:.2f} MiB")
     assert nb <= 32 * 2**20
+
+
+def check_rounded_once(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """``out`` is the fp64 product ``a @ w^T`` rounded once to out's dtype, up to fp32
+    accumulation: rounding is monotone, so out must lie between the roundings of
+    ``ref -/+ slack`` with slack the fp32 summation bound ``K * 2^-24 * sum|a||w|`` (the
+    products of 16-bit values are exact in fp32)."""
+    ref = R.f64(a) @ R.f64(w).T
+    T.check_ulp(out, ref, max_ulp=1.0, frac=1.0, what=what)  # no NaN (every element written)
+    K = a.shape[1]
+    slack = 1.01 * K * 2.0 ** -24 * (R.f64(a).abs() @ R.f64(w).abs().T)
+    lo, hi = (ref - slack).to(out.dtype).double(), (ref + slack).to(out.dtype).double()
+    o = R.f64(out)
+    bad = (o < lo) | (o > hi)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements not the product rounded once"
+
+
+def test_shard_gemm_gemv():
+    """Kernel B's GEMV variant alone: the product rounded once, every element written,
+    L a power of two or not, shard rows a multiple of the rows per program or not."""
+    from k3tail.tail import shard_gemm
+
+    for N, Lt, rows in ((64, 200, 8), (72, 256, 16), (64, 256, 4), (40, 136, 8)):
+        for M in (1, 2, 3, 4):
+            seed = 1000 * M + N + Lt + rows
+            a = T.randn((M, Lt), torch.bfloat16, seed)
+            w = T.randn((N, Lt), torch.bfloat16, seed + 1, scale=Lt ** -0.5)
+            out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
+            shard_gemm(a, w, out=out, tactics={"b_gemv_max_m": 4, "b_gemv_rows": rows})
+            check_rounded_once(out, a, w, f"shard_gemm GEMV N={N} L={Lt} rows={rows} M={M}")
+    # M above b_gemv_max_m takes the tiled kernel: same contract
+    a = T.randn((3, 200), torch.bfloat16, 5)
+    w = T.randn((64, 200), torch.bfloat16, 6, scale=200 ** -0.5)
+    out = T.poison_(torch.empty(3, 64, dtype=torch.bfloat16))
+    shard_gemm(a, w, out=out, tactics={"b_gemv_max_m": 2})
+    check_rounded_once(out, a, w, "shard_gemm tiled (M > b_gemv_max_m)")
+    for bad in ({"b_gemv_max_m": 5}, {"b_gemv_max_m": -1}, {"b_gemv_max_m": True}, {"b_gemv_rows": 12},
+                {"b_gemv_rows": 0}, {"b_gemv_warps": 3}):
+        with pytest.raises(ValueError, match="b_gemv"):
+            shard_gemm(a, w, tactics=bad)
+    with pytest.raises(ValueError, match="b_gemv_rows"):  # 64 x 32768 > Triton's largest block
+        shard_gemm(T.randn((1, 20000), torch.bfloat16, 7), T.randn((8, 20000), torch.bfloat16, 8),
+                   tactics={"b_gemv_max_m": 4, "b_gemv_rows": 64})
 
 
 # ------------------------------------------------------------------ GPU loopback
@@ -325,3 +392,25 @@ def test_tail_gpu_timeout_poison(W):
         with pytest.raises(WorkspacePoisoned):
             tails[r](**ins[r])
         assert time.time() - t0 < 0.5
+
+
+def test_multicast_store_gating():
+    """Kernel B's multicast variant stores 32-bit column pairs: it is chosen only where the workspace
+    has a multicast address (never on this project's machines), the shard width is even and the N
+    tile of the variant that runs is even; anything else stores unicast."""
+    import types
+
+    from k3tail.tail import LatentTail
+
+    tail = LatentTail(hidden=64, latent=32, top_k=2, key="mc-gate", max_tokens=4,
+                      tactics={"b_block_n": 16, "b_gemv_max_m": 2, "b_gemv_rows": 1})
+    real_ws = tail.ws
+    assert real_ws.multicast_ptr == 0 and not tail._multicast_ok(3)
+    try:
+        tail.ws = types.SimpleNamespace(multicast_ptr=0x1000)
+        assert tail._multicast_ok(3)          # tiled B: N tile 16, shard 64
+        assert not tail._multicast_ok(2)      # GEMV B with 1 row per program: no column pairs
+        tail.shard = 63
+        assert not tail._multicast_ok(3)      # odd shard: a pair would straddle ranks
+    finally:
+        tail.ws, tail.shard = real_ws, 64

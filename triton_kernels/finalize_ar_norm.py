@@ -43,7 +43,8 @@ routed row (and of the lane's shared row).  For its item the program
    read yet); the lane's shared chunks are summed the same way and written to
    ``shared_sum`` (fp32);
 3. *normalizes*.  G = 1: the program has the whole row; ``rstd = numerics.rms_rstd(ssq)``
-   (IEEE fp64), then chunk by chunk ``round(scratch * rstd * gamma)``; a CTA barrier
+   (IEEE fp64), then ``round(scratch * rstd * gamma)`` in tiles of NORM_BLOCK columns (the
+   K3 row in one tile, so its loads are all in flight together); a CTA barrier
    orders phase 2's scratch stores before these loads; when the row fits one chunk
    (``CHUNKS == 1``) the sum stays in registers and scratch is not touched.  G > 1: the
    program stores its slice's fp64 statistic into ``sq[t, g]``, then (CTA barrier, then an
@@ -126,6 +127,19 @@ def _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH: tl.
     tl.store(normed_ptr + t64 * WIDTH + col, round_to(s * rstd * g, DTYPE), mask=cmask)
 
 
+@triton.jit
+def _normalize_row(t64, rstd, scratch_ptr, gamma_ptr, normed_ptr, WIDTH: tl.constexpr,
+                   NORM_BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    """Normalize row t from the fp32 scratch row in tiles of NORM_BLOCK (the whole K3 row in
+    one tile: all loads in flight at once; volatile: other programs may have written it)."""
+    offs = tl.arange(0, NORM_BLOCK)
+    for c in range((WIDTH + NORM_BLOCK - 1) // NORM_BLOCK):
+        col = c * NORM_BLOCK + offs
+        cmask = col < WIDTH
+        s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0, volatile=True)
+        _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
+
+
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "G"])
 def finalize_ar_norm_kernel(
     routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr, residual_ptr, gamma_ptr,
@@ -134,7 +148,7 @@ def finalize_ar_norm_kernel(
     rank, M, timeout_ns, G, scale, eps,
     WIDTH: tl.constexpr, SH: tl.constexpr, MAX_TOKENS: tl.constexpr,
     W: tl.constexpr, W_P2: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SQ_STRIDE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SQ_STRIDE: tl.constexpr, NORM_BLOCK: tl.constexpr,
     FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, SHARED_ADD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SLOT32: tl.constexpr,
     USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr,
@@ -279,14 +293,10 @@ def finalize_ar_norm_kernel(
                 if G == 1:
                     # the whole row is this program's: its statistic is complete
                     rstd = rms_rstd(tl.sum(ssq, axis=0), WIDTH, eps)
-                    for c in range(CHUNKS):
-                        col = c * BLOCK + offs
-                        cmask = col < WIDTH
-                        if CHUNKS == 1:
-                            s = keep
-                        else:
-                            s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0)
-                        _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
+                    if CHUNKS == 1:
+                        _normalize_chunk(keep, t64, offs, offs < WIDTH, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
+                    else:
+                        _normalize_row(t64, rstd, scratch_ptr, gamma_ptr, normed_ptr, WIDTH, NORM_BLOCK, DTYPE)
                 else:
                     # G slices: park this slice's fp64 statistic; the program completing row t
                     # (arrival counter, acq_rel) adds the G statistics in slice order and
@@ -299,11 +309,7 @@ def finalize_ar_norm_kernel(
                         js = tl.arange(0, SQ_STRIDE)
                         sqs = tl.load(sq_ptr + t64 * SQ_STRIDE + js, mask=js < G, other=0.0, volatile=True)
                         rstd = rms_rstd(tl.sum(sqs, axis=0), WIDTH, eps)  # fixed tree: same on every rank
-                        for c in range(CHUNKS):
-                            col = c * BLOCK + offs
-                            cmask = col < WIDTH
-                            s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0, volatile=True)
-                            _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
+                        _normalize_row(t64, rstd, scratch_ptr, gamma_ptr, normed_ptr, WIDTH, NORM_BLOCK, DTYPE)
             item += nprog
     if W > 1:
         finish_launch(ctrl_ptr, nprog, NUM_STAGES)
