@@ -3,8 +3,8 @@
 The torch tiers (SEPARATE_REDUCE, FUSED_LANE_AR above the lane capacity, MULTIMEM_AR) form the
 latent with these functions, the kernels with the Triton helpers; both follow the same formula
 (stated in ``triton_kernels/numerics.py``), so every tier rounds the normed latent to the same
-bits and the tiers agree elementwise (DESIGN §6).  fp64 is used where fp32 would make the result
-depend on the order of additions; every quantity is still rounded to fp32 once.
+bits and the tiers agree elementwise (DESIGN §6): exact products in the finalize (FMA cannot change
+a bit), fp64 where fp32 would make a sum depend on the order of its additions.
 """
 
 from __future__ import annotations
@@ -17,25 +17,32 @@ def f32(x: float) -> float:
     return float(torch.tensor(float(x), dtype=torch.float32).item())
 
 
+def split12(w: torch.Tensor):
+    """``w = hi + lo`` exactly (fp32), each half with at most 12 significant bits."""
+    w = w.float()
+    hi = (w.view(torch.int32) & -4096).view(torch.float32)  # -4096 == 0xFFFFF000
+    return hi, w - hi
+
+
 def routed_partial(*, routed=None, expert_out=None, expert_weights=None, expanded_idx=None,
                    scale: float = 1.0) -> torch.Tensor:
-    """This rank's routed partial ``fp32(scale * sum_{k ascending} w * expert_out[idx])`` (or
-    ``fp32(scale * routed)``), accumulated in fp64; slots with idx -1 are skipped."""
+    """This rank's fp32 routed partial ``scale * sum_{k ascending} w * expert_out[idx]`` (or
+    ``scale * routed``), with the kernels' exact-product fp32 accumulation; -1 slots skipped."""
     if routed is not None:
-        acc = routed.double()
+        acc = routed.float()
     else:
         idx = expanded_idx.long()
         valid = idx >= 0
         rows = idx.clamp_min(0)
-        w = expert_weights.double()
-        acc = torch.zeros(idx.shape[0], expert_out.shape[1], dtype=torch.float64, device=expert_out.device)
-        zero = torch.zeros((), dtype=torch.float64, device=expert_out.device)
-        for k in range(idx.shape[1]):  # ascending k; the products are exact in fp64
-            contrib = expert_out[rows[:, k]].double() * w[:, k:k + 1]
-            acc = acc + torch.where(valid[:, k:k + 1], contrib, zero)
+        hi, lo = split12(expert_weights)
+        acc = torch.zeros(idx.shape[0], expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+        for k in range(idx.shape[1]):  # ascending k; both products are exact in fp32
+            e = expert_out[rows[:, k]].float()
+            step = (acc + hi[:, k:k + 1] * e) + lo[:, k:k + 1] * e
+            acc = torch.where(valid[:, k:k + 1], step, acc)
     if scale != 1.0:
         acc = acc * f32(scale)
-    return acc.float()
+    return acc
 
 
 def rank_sum(parts) -> torch.Tensor:

@@ -163,8 +163,10 @@ def _default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) 
         if cand:
             split, bk = s, cand[0]
             break
+    # GEMV for M = 1 only by default: on the H200 (bench_tail.json, df25f34) it took 3.90 us vs
+    # 6.05 tiled at M = 1 (W = 8 shard), but lost at M = 4 (6.06 vs 5.2-5.8; 10.8 vs 7.5 at W = 4)
     return {"a_slices": slices, "b_block_n": bn, "b_block_k": bk, "b_split_k": split, "b_warps": 4,
-            "b_stages": 4, "b_gemv_max_m": _MAX_GEMV_M, "b_gemv_rows": 8, "b_gemv_warps": 8,
+            "b_stages": 4, "b_gemv_max_m": 1, "b_gemv_rows": 8, "b_gemv_warps": 8,
             "c_block": 1024, "c_programs": 16}
 
 

@@ -153,3 +153,33 @@ def test_latent_bitwise_loopback_w8():
         res = world.run(lambda r: _kernel_latents(ops[r], r, W, shape, M, form, device="cuda"))
         torch.cuda.synchronize()
         _compare([{k: v.cpu() for k, v in d.items()} for d in res], W, shape, M, form, scale, eps)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_finalize_is_fma_insensitive(dtype, wdtype):
+    """The finalize accumulates exact products (weights split in 12-bit halves), so a fused
+    multiply-add (what Triton emits on the GPU) gives the bits of a separate multiply and add
+    (what torch and the interpreter do).  Emulate the FMA with fp64 (exact product, one
+    rounding) and compare bits; the unsplit fp32 product (``acc + w * e``) is shown to differ,
+    so the check can fail."""
+    eo, w, idx = T.moe_triple(64, 16, 3584, dtype, seed=5, weight_dtype=wdtype)
+    got = N.routed_partial(expert_out=eo, expert_weights=w, expanded_idx=idx)
+    hi, lo = N.split12(w)
+    fma = torch.zeros_like(got)
+    naive_fma = torch.zeros_like(got)
+    for k in range(16):
+        valid = (idx[:, k:k + 1] >= 0)
+        e = eo[idx[:, k].clamp_min(0).long()].float()
+        step = ((fma.double() + hi[:, k:k + 1].double() * e.double()).float().double()
+                + lo[:, k:k + 1].double() * e.double()).float()
+        fma = torch.where(valid, step, fma)
+        naive = (naive_fma.double() + w[:, k:k + 1].double() * e.double()).float()  # fma(w, e, acc) unsplit
+        naive_fma = torch.where(valid, naive, naive_fma)
+    assert torch.equal(got.view(torch.int32), fma.view(torch.int32))
+    if wdtype == torch.float32:  # a 24-bit weight times a 16-bit value is not exact in fp32
+        unsplit = torch.zeros_like(got)
+        for k in range(16):
+            e = eo[idx[:, k].clamp_min(0).long()].float()
+            unsplit = torch.where(idx[:, k:k + 1] >= 0, unsplit + w[:, k:k + 1].float() * e, unsplit)
+        assert not torch.equal(unsplit.view(torch.int32), naive_fma.view(torch.int32))

@@ -29,8 +29,8 @@ every rank; G, the slices per token, is a runtime argument the host picks per ca
 same on every rank).  Slice g owns the chunks c = g, g + G, ... of BLOCK columns of the
 routed row (and of the lane's shared row).  For its item the program
 
-1. *publishes*: for each of its chunks computes this rank's partial, rounded once to fp32
-   (accumulated in fp64 as ``numerics.py`` defines; finalize:
+1. *publishes*: for each of its chunks computes this rank's fp32 partial (as
+   ``numerics.py`` defines; finalize:
    ``sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, slots with idx == -1 are masked so
    their row is never loaded; times ``scale``; plus ``shared`` for the standalone op),
    canonicalizes -0.0 and stores it into slot ``(stage, rank, t)`` of every rank (itself
@@ -81,25 +81,24 @@ import triton
 import triton.language as tl
 
 from .lamport import (canonicalize, finish_launch, is_poisoned, now_ns, rearm, round_to, wait_ready)
-from .numerics import finalize64, rms_rstd, sq64
+from .numerics import finalize32, rms_rstd, sq64
 
 
 @triton.jit
 def _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr, scale,
                    WIDTH: tl.constexpr, TOP_K: tl.constexpr, FINALIZE: tl.constexpr,
                    HAS_SCALE: tl.constexpr, SHARED_ADD: tl.constexpr):
-    """This rank's partial for columns ``col`` of token ``t``, rounded once to fp32
-    (fp64 inside: ``numerics.py``)."""
+    """This rank's fp32 partial for columns ``col`` of token ``t`` (``numerics.py``)."""
     t64 = t.to(tl.int64)
     if FINALIZE:
-        acc = finalize64(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH, TOP_K)
+        acc = finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH, TOP_K)
     else:
-        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float64)
+        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         acc = acc * scale
     if SHARED_ADD:
-        acc += tl.load(shared_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float64)
-    return acc.to(tl.float32)
+        acc += tl.load(shared_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit

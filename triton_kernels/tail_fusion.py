@@ -28,8 +28,8 @@ Kernels (all on the rank's stream, in the order A, B, C)
 ========================================================
 (A) ``tail_a_kernel``: work item (token t, slice s), s < SLICES; item i is handled by
     program i % P on every rank (persistent grid-stride loop, grid capped to stay
-    co-resident).  It computes this rank's routed row, columns of slice s, rounded once to
-    fp32 (accumulated in fp64, ``numerics.py``; finalize ``scale * sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, or
+    co-resident).  It computes this rank's routed row, columns of slice s, in fp32
+    (``numerics.py``: exact products, so the bits do not depend on FMA contraction; finalize ``scale * sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, or
     ``scale * routed[t]``), canonicalizes -0.0 and stores it into routed slot (t, rank)
     of EVERY rank; it stores slice s of column shard d of ``shared[t]`` into rs slot
     (t, rank) of rank d, for every d.  Then it polls its LOCAL routed slots (t, 0..W-1)
@@ -109,7 +109,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (_INTERPRET, canonicalize, is_poisoned, now_ns, rearm, round_to, wait_ready)
-from .numerics import finalize64, rms_rstd, sq64
+from .numerics import finalize32, rms_rstd, sq64
 
 BLOCK_M = 16        # M padded to 16 for tl.dot (TAIL_FUSION capacity is 16 tokens)
 PAD_BYTES_SIZE = 4096
@@ -150,10 +150,10 @@ def tail_a_kernel(
             lmask = col < LATENT
             # ---- this rank's routed row (slice s), fp32, published to every rank
             if DEFERRED:
-                x = finalize64(t.to(tl.int64), col, lmask, eo_ptr, ew_ptr, idx_ptr, LATENT, TOPK)
+                x = finalize32(t.to(tl.int64), col, lmask, eo_ptr, ew_ptr, idx_ptr, LATENT, TOPK)
             else:
-                x = tl.load(routed_ptr + t * LATENT + col, mask=lmask, other=0.0).to(tl.float64)
-            x = canonicalize((x * routed_scale).to(tl.float32))  # the partial's one rounding
+                x = tl.load(routed_ptr + t * LATENT + col, mask=lmask, other=0.0).to(tl.float32)
+            x = canonicalize(x * routed_scale)
             slot = (t * W + rank) * LATENT + col
             for d in tl.static_range(W):
                 peer = tl.load(table_ptr + d).to(tl.pointer_type(tl.float32))
