@@ -99,7 +99,9 @@ class _FusedBase:
         if interpret_mode():
             block, slices = max(64, min(wide, 32768 // w_p2, 4096)), 1  # few, large programs
         elif W == 1:
-            block, slices = max(64, min(wide, 4096)), SQ_STRIDE  # wide: the K3 row in registers
+            # wide only: the K3 row in registers, one program per token.  On the H200 (bench
+            # finalize.json, 8e91ac7) the sliced shape lost at every M: 6.8 vs 5.4 us at M = 1.
+            block, slices = max(64, min(wide, 4096)), 1
         else:
             block, slices = max(64, min(wide, 8192 // w_p2, 1024)), SQ_STRIDE
         self.block = int(tactics.get("block", block))
