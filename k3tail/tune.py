@@ -354,19 +354,25 @@ def sweep_kernel(spec: Spec, world, cfg, *, full: bool, timeout_s: float, budget
 
 # ==================================================================== crossovers
 def prefix_threshold(wins: Dict[int, bool], capacity: int) -> int:
-    """Largest measured M such that the tier won at every measured M' <= M; ``capacity`` if it
-    won at every measured M; 0 if it lost at the smallest M (or nothing was measured)."""
+    """Largest measured M such that the tier won at every measured M' <= M (never above
+    ``capacity``); 0 if it lost at the smallest M (or nothing was measured).  An M that was not
+    measured (both tiers failed there, or the grid stopped) extends nothing: a tier that won up to
+    64 and was not measured above gets 64, not its capacity."""
     last = 0
     for m in sorted(wins):
         if not wins[m]:
             return last
         last = m
-    return capacity if wins else 0
+    return min(last, capacity)
+
+
+SLOW_REPLAY_US = 1e6  # a point whose p99 replay took >= 1 s hid a timed-out wait: a failure
 
 
 def crossover_thresholds(points: List[Dict[str, Any]], caps_alloc: Dict[str, Any]) -> Dict[str, Any]:
     """Thresholds from graph-phase tier timings (``bench_world`` points)."""
-    t = {(p["tier"], p["M"]): p["median_us"] for p in points if p["phase"] == "graph" and p.get("median_us")}
+    t = {(p["tier"], p["M"]): p["median_us"] for p in points if p["phase"] == "graph" and p.get("median_us")
+         and (p.get("p99_us") or 0) < SLOW_REPLAY_US}
     out: Dict[str, Any] = {}
     ms = sorted({m for _, m in t})
     tf_cap = int(caps_alloc.get("tail_fusion_max_tokens") or 0)

@@ -133,6 +133,7 @@ def test_tier_ranges_follow_caps():
 def test_prefix_threshold_and_crossovers():
     assert TU.prefix_threshold({1: True, 2: True, 4: False, 8: True}, 16) == 2
     assert TU.prefix_threshold({1: True, 16: True}, 16) == 16
+    assert TU.prefix_threshold({1: True, 64: True}, 256) == 64   # not measured above 64: not extended
     assert TU.prefix_threshold({1: False}, 16) == 0
     assert TU.prefix_threshold({}, 16) == 0
 
@@ -155,6 +156,14 @@ def test_prefix_threshold_and_crossovers():
     pts2 = [p for p in pts if not (p["tier"] == "FUSED_LANE_AR" and p["M"] == 64)]
     caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 64}
     assert TU.crossover_thresholds(pts2, caps)["lane_max_tokens"] == 16
+    # a point whose p99 replay took seconds hid a timed-out wait: it counts as a failure (seen on
+    # the H200: one 10 s replay of FUSED_LANE_AR at W=8, M=64 amid normal ones)
+    pts3 = [dict(p, p99_us=1.0e7) if (p["tier"] == "FUSED_LANE_AR" and p["M"] == 64) else p for p in pts]
+    caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 256}
+    assert TU.crossover_thresholds(pts3, caps)["lane_max_tokens"] == 16
+    # both tiers failed above 64 (no points): the threshold stops at the last measured win
+    pts4 = [p for p in pts if p["M"] != 256]
+    assert TU.crossover_thresholds(pts4, caps)["lane_max_tokens"] == 64
 
 
 def test_tune_specs_cover_the_ops_tactic_keys():

@@ -1,0 +1,98 @@
+"""Stress one tier of K3MoETail in loopback with CUDA-graph replays and report the first wait that
+times out: which rank, which op's workspace, and that workspace's control words.
+
+A diagnostic, not a benchmark: every replay is followed by a sync and a look at every poison
+flag.  Written after ``k3tail tune`` saw one 10 s replay (two 5 s timeouts) of FUSED_LANE_AR at
+W = 8, M = 64 in loopback on the H200.
+
+    python bench/stress_loopback.py --world-size 8 --m 64 --tier FUSED_LANE_AR --replays 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+for _k, _v in (("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+
+import k3tail  # noqa: E402
+from k3tail import bench as B  # noqa: E402
+from k3tail import tuning  # noqa: E402
+from k3tail.tiers import Tier  # noqa: E402
+
+
+def workspaces(mod):
+    """``(name, Workspace)`` of every op a K3MoETail owns."""
+    out = []
+    for name in ("_lane", "_tail", "_lb_routed", "_lb_shared", "_lb_gather"):
+        op = getattr(mod, name, None)
+        ws = getattr(op, "ws", None)
+        if ws is not None:
+            out.append((name, ws))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--m", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--tier", default="FUSED_LANE_AR")
+    ap.add_argument("--replays", type=int, default=300)
+    ap.add_argument("--calls-per-graph", type=int, default=4)
+    ap.add_argument("--timeout-s", type=float, default=5.0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("stress_loopback: needs a CUDA GPU")
+    W, M = args.world_size, args.m
+    cfg = k3tail.TailConfig(max_tokens=args.max_tokens)
+    world = k3tail.LoopbackWorld(W)
+    mods = world.build(lambda r: k3tail.K3MoETail(cfg, world.group(r), prefix="stress", timeout_s=args.timeout_s,
+                                                  lane_max_tokens=args.max_tokens,
+                                                  tactics_table=tuning.TacticTable()))
+    tier = Tier[args.tier]
+    dev = world.device
+    ins = [B.rank_inputs(M=M, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, dtype=cfg.dtype, device=dev,
+                         seed=r, deferred=True) for r in range(W)]
+    wts = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=cfg.hidden // W, copies=1, dtype=cfg.dtype,
+                          device=dev, seed=100 + r) for r in range(W)]
+
+    def step():
+        return world.run(lambda r: mods[r](**ins[r], norm_weight=wts[r][0], up_weight=wts[r][1][0], tier=tier,
+                                           graph_phase=True))
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(args.calls_per_graph):
+            step()
+    print(f"W={W} M={M} {tier.name}: graph of {args.calls_per_graph} calls; ops per rank: "
+          f"{[n for n, _ in workspaces(mods[0])]}", flush=True)
+    t0 = time.time()
+    slow = []
+    for i in range(args.replays):
+        a = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - a
+        if dt > 0.5:
+            slow.append((i, dt))
+        bad = [(r, n, ws.ctrl[:4].tolist()) for r in range(W) for n, ws in workspaces(mods[r]) if ws.poisoned()]
+        if bad:
+            print(f"replay {i} ({dt:.2f} s): poisoned workspaces (rank, op, ctrl[:4]) = {bad}", flush=True)
+            break
+    else:
+        print(f"{args.replays} replays clean in {time.time() - t0:.1f} s; slow replays {slow}", flush=True)
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
