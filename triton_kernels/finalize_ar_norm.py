@@ -102,6 +102,15 @@ def _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr
 
 
 @triton.jit
+def _publish(table_ptr, off, x, cmask, W: tl.constexpr):
+    """Store chunk ``x`` at element offset ``off`` (in units of ``x``'s dtype) of every rank's
+    region, itself included: the Lamport publish."""
+    for d in tl.static_range(W):
+        peer = tl.load(table_ptr + d).to(tl.pointer_type(x.dtype))
+        tl.store(peer + off, x, mask=cmask)
+
+
+@triton.jit
 def _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
                   WIDTH: tl.constexpr, CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
     """The summed chunk ``s`` (fp64): add the residual, round to fp32 once (``residual_out`` is
@@ -217,27 +226,19 @@ def finalize_ar_norm_kernel(
                         x = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
                                            scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE, SHARED_ADD)
                         if SLOT32:
-                            x = canonicalize(x)
-                            off = stage * STAGE32 + rank * SLOT32_SRC + t64 * WIDTH + col
-                            for d in tl.static_range(W):
-                                peer = tl.load(table_ptr + d).to(tl.pointer_type(tl.float32))
-                                tl.store(peer + off, x, mask=cmask)
-                        else:
-                            x16 = canonicalize(x.to(DTYPE))  # exact: x is a 16-bit input (scale 1)
-                            off = OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + col
-                            for d in tl.static_range(W):
-                                peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
-                                tl.store(peer + off, x16, mask=cmask)
+                            _publish(table_ptr, stage * STAGE32 + rank * SLOT32_SRC + t64 * WIDTH + col,
+                                     canonicalize(x), cmask, W)
+                        else:  # exact: x is a 16-bit input (scale 1)
+                            _publish(table_ptr, OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + col,
+                                     canonicalize(x.to(DTYPE)), cmask, W)
                 for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
                     if c < CHUNKS_SH:
                         col = c * BLOCK + offs
                         cmask = col < SH
                         x16 = canonicalize(tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0))
-                        off = OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + WIDTH + col
-                        for d in tl.static_range(W):
-                            peer = tl.load(table_ptr + d).to(tl.pointer_type(DTYPE))
-                            tl.store(peer + off, x16, mask=cmask)
+                        _publish(table_ptr, OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + WIDTH + col,
+                                 x16, cmask, W)
                 # ---- phase 2: poll local slots, rank-order fp64 sum -> fp32, scratch, re-arm
                 for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
