@@ -6,6 +6,13 @@ flag.  Written after ``k3tail tune`` saw one 10 s replay (two 5 s timeouts) of F
 W = 8, M = 64 in loopback on the H200.
 
     python bench/stress_loopback.py --world-size 8 --m 64 --tier FUSED_LANE_AR --replays 300
+
+Seen on the H200 (b0e88a7): W=8 FUSED_LANE_AR times out in the module's loopback gather at
+M=64 (replay 0) and M=63 (replay 16), clean at M=33 and 48; W=4 SEPARATE_REDUCE at M=64 trips
+a torch index-kernel assert (M=63 clean).  Next to try: ``CUDA_DEVICE_MAX_CONNECTIONS=32``
+(8 rank streams + the launching one share 8 hardware queues by default, and a spinning kernel
+queued behind another rank's would explain a whole-group timeout), then
+``CUDA_LAUNCH_BLOCKING=1`` for the assert.
 """
 
 from __future__ import annotations

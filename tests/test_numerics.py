@@ -7,6 +7,8 @@ outputs by many ulp.  The checks compare *bits*, not tolerances:
 
 * the statistic helper against torch on rows spanning 40 binades (a kernel using fp32
   ``rsqrt`` of an fp32 mean differs on a large share of such rows);
+* the finalize's exact-product accumulation against an emulated FMA (Triton contracts the
+  multiply-add on the GPU, torch does not);
 * the fp32 reduced latent (``LatentTail``'s ``sum32``), and the normed latent of LatentTail's
   kernel A, of the lane collective and of the standalone fused op, against
   ``numerics.rank_sum`` / ``numerics.rms_normalize`` of ``numerics.routed_partial`` (what
