@@ -24,22 +24,37 @@ def split12(w: torch.Tensor):
     return hi, w - hi
 
 
+_GATHER_ELEMS = 1 << 25  # expert rows gathered at once by routed_partial (~128 MiB of fp32)
+
+
 def routed_partial(*, routed=None, expert_out=None, expert_weights=None, expanded_idx=None,
                    scale: float = 1.0) -> torch.Tensor:
     """This rank's fp32 routed partial ``scale * sum_{k ascending} w * expert_out[idx]`` (or
-    ``scale * routed``), with the kernels' exact-product fp32 accumulation; -1 slots skipped."""
+    ``scale * routed``), with the kernels' exact-product fp32 accumulation; -1 slots skipped.
+
+    Rows are gathered once per chunk of tokens; skipped slots get zero weights and zero rows (a
+    row nothing points at may hold NaN), and adding ``+0.0`` leaves the sum's bits unchanged
+    because it never is ``-0.0`` (it starts at ``+0.0``).  Each product is exact, so
+    ``addcmul`` (fused or not) rounds once per addition, like the kernels."""
     if routed is not None:
         acc = routed.float()
     else:
-        idx = expanded_idx.long()
-        valid = idx >= 0
-        rows = idx.clamp_min(0)
-        hi, lo = split12(expert_weights)
-        acc = torch.zeros(idx.shape[0], expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-        for k in range(idx.shape[1]):  # ascending k; both products are exact in fp32
-            e = expert_out[rows[:, k]].float()
-            step = (acc + hi[:, k:k + 1] * e) + lo[:, k:k + 1] * e
-            acc = torch.where(valid[:, k:k + 1], step, acc)
+        M, K = expanded_idx.shape
+        width = expert_out.shape[1]
+        valid = expanded_idx >= 0
+        rows = expanded_idx.long().clamp_min(0)
+        zero = torch.zeros((), dtype=torch.float32, device=expert_out.device)
+        hi, lo = (torch.where(valid, h, zero) for h in split12(expert_weights))
+        acc = torch.empty(M, width, dtype=torch.float32, device=expert_out.device)
+        step = max(1, _GATHER_ELEMS // max(1, K * width))
+        for t0 in range(0, M, step):
+            sl = slice(t0, min(M, t0 + step))
+            e = torch.where(valid[sl, :, None], expert_out[rows[sl]].float(), zero)  # [m, K, width]
+            a = torch.zeros(e.shape[0], width, dtype=torch.float32, device=expert_out.device)
+            for k in range(K):  # ascending k
+                a.addcmul_(hi[sl, k:k + 1], e[:, k])
+                a.addcmul_(lo[sl, k:k + 1], e[:, k])
+            acc[sl] = a
     if scale != 1.0:
         acc = acc * f32(scale)
     return acc
