@@ -58,10 +58,12 @@ Kernels (all on the rank's stream, in the order A, B, C)
     Epilogue (one function, both kernels): ``acc + rs32 + prefix shard`` in fp32, ONE
     rounding (``round_to``), canonicalize, store into columns [rank*S, ...) of EVERY
     rank's mailbox (unicast stores through the peer table).  A multicast-store variant
-    (``MULTICAST``, chosen only when the workspace reports a multicast address; never on
-    this project's machines, never compiled here) stores once through the multicast
-    address with ``multimem.st`` (masked-off lanes are redirected to the pad instead of
-    predicating the instruction, which ptxas is reported to mishandle).  B never waits;
+    (``MULTICAST``, chosen only when the workspace reports a multicast address, the shard
+    width is even and the N tile is even: never on this project's machines; CI assembles it
+    for sm_90, nothing runs it) stores once through the multicast address with
+    ``multimem.st.b32``, two adjacent 16-bit columns per word (ptxas has no 16-bit
+    multimem.st; masked-off pairs are redirected to the pad instead of predicating the
+    instruction, which ptxas is reported to mishandle).  B never waits;
     on a poisoned workspace it stores nothing (no partials, no counter update, nothing
     into any mailbox).
 (C) ``tail_c_kernel``: work items (t, column chunk), small persistent grid: poll the local
