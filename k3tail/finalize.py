@@ -77,6 +77,7 @@ class _FusedBase:
         self.width, self.sh = width, (shared_width or 0)
         self.max_tokens, self.top_k, self.eps = max_tokens, top_k, float(eps)
         self.routed_scale, self.dtype, self.timeout_s = float(routed_scale), dtype, float(timeout_s)
+        self._scalars32 = (f32(routed_scale), f32(eps))  # what the kernel receives (numerics.py), rounded once
         W = self.world_size
         self.ws = None
         if W > 1:
@@ -200,7 +201,7 @@ class _FusedBase:
                  resout if resout is not None else dummy,
                  shsum if shsum is not None else self.scratch,
                  self.scratch, self._sq, self._cnt, table, ctrl, host_flag, clock,
-                 rank, M, int(self.timeout_s * 1e9), G, f32(self.routed_scale), f32(self.eps),
+                 rank, M, int(self.timeout_s * 1e9), G, *self._scalars32,
                  WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
                  W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=block, NUM_STAGES=NUM_STAGES,
                  SQ_STRIDE=SQ_STRIDE, NORM_BLOCK=min(L.next_pow2(self.width), 8192),

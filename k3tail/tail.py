@@ -272,6 +272,7 @@ class LatentTail:
         self.group, self.comm, self.rank, self.world_size = group, comm, rank, W
         self.hidden, self.latent, self.shard = hidden, latent, hidden // W
         self.top_k, self.eps, self.routed_scale = top_k, float(eps), float(routed_scale)
+        self._scalars32 = (f32(routed_scale), f32(eps))  # what kernel A receives (numerics.py), rounded once
         self.max_tokens, self.dtype, self.key, self.pool_depth = max_tokens, dtype, key, pool_depth
         self.timeout_s = float(timeout_s)
         self._set = self._acquire_set()
@@ -398,7 +399,7 @@ class LatentTail:
                  rt, eo, ew, idx, shared, norm_weight,
                  st.normed, st.sum32, st.sq, st.rs32, st.cnt_a,
                  ws.table, ws.ctrl, ws.host_flag, clock,
-                 ws.rank, M, timeout_ns, f32(self.routed_scale), f32(self.eps),
+                 ws.rank, M, timeout_ns, *self._scalars32,
                  HIDDEN=H, LATENT=Lt, SHARD=S, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
                  SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
                  DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)

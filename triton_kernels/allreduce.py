@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .lamport import (canonicalize, rearm, now_ns, is_poisoned, wait_ready, finish_launch, round_to,
                       peer_ptr)
+from .numerics import rank_sum64
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns"])
@@ -81,10 +82,7 @@ def oneshot_allreduce_kernel(
             ok = wait_ready(my_base + rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr,
                             deadline, USE_GLOBALTIMER)
             if ok:
-                acc = tl.zeros([BLOCK], dtype=tl.float64)
-                for s in tl.static_range(W):  # rank order, fp64 (order-free: numerics.py)
-                    p = my_base + stage * STAGE_ELEMS + s * SLOT + t * WIDTH + col
-                    acc += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float64)
+                acc = rank_sum64(my_base + stage * STAGE_ELEMS + t * WIDTH + col, SLOT, cmask, W)
                 tl.store(out_ptr + t * WIDTH + col, round_to(acc.to(tl.float32), DTYPE), mask=cmask)
                 rearm(my_base + rows, rmask, DTYPE)  # barrier first: every thread has read
             item += nprog

@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (canonicalize, finish_launch, is_poisoned, now_ns, rearm, round_to, wait_ready)
-from .numerics import finalize32, rms_rstd, sq64
+from .numerics import finalize32, rank_sum64, rms_rstd, sq64
 
 
 @triton.jit
@@ -254,13 +254,10 @@ def finalize_ar_norm_kernel(
                             ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
                                             USE_GLOBALTIMER).to(tl.int32)
                         if ok:
-                            s = tl.zeros([BLOCK], dtype=tl.float64)
-                            for src in tl.static_range(W):  # rank order, fp64 (numerics.py)
-                                if SLOT32:
-                                    p = my32 + stage * STAGE32 + src * SLOT32_SRC + t64 * WIDTH + col
-                                else:
-                                    p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + col
-                                s += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float64)
+                            if SLOT32:
+                                s = rank_sum64(my32 + stage * STAGE32 + t64 * WIDTH + col, SLOT32_SRC, cmask, W)
+                            else:
+                                s = rank_sum64(my16 + stage * STAGE16 + t64 * ROW16 + col, SLOT16_SRC, cmask, W)
                             s = _finish_chunk(s, t64, col, cmask, residual_ptr, resout_ptr, scratch_ptr,
                                               WIDTH, CHUNKS, HAS_RESIDUAL, DTYPE)
                             ssq += sq64(s)
@@ -281,10 +278,8 @@ def finalize_ar_norm_kernel(
                             ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
                                             USE_GLOBALTIMER).to(tl.int32)
                         if ok:
-                            v = tl.zeros([BLOCK], dtype=tl.float64)
-                            for src in tl.static_range(W):
-                                p = my16 + stage * STAGE16 + src * SLOT16_SRC + t64 * ROW16 + WIDTH + col
-                                v += tl.load(p, mask=cmask, other=0.0, volatile=True).to(tl.float64)
+                            v = rank_sum64(my16 + stage * STAGE16 + t64 * ROW16 + WIDTH + col, SLOT16_SRC,
+                                           cmask, W)
                             tl.store(shsum_ptr + t64 * SH + col, v.to(tl.float32), mask=cmask)
                             rearm(rows, rmask, DTYPE)
             # ---- phase 3: RMSNorm of row t from its fp32 scratch row

@@ -65,6 +65,16 @@ def finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH: tl.constexpr, TOP
 
 
 @triton.jit
+def rank_sum64(ptrs, src_stride, mask, W: tl.constexpr):
+    """``x = sum_{src in rank order} fp64(*(ptrs + src * src_stride))``: the cross-rank sum of
+    W published slots, in fp64 (the caller rounds it once).  Volatile loads: peers wrote them."""
+    acc = tl.zeros(ptrs.shape, dtype=tl.float64)
+    for src in tl.static_range(W):
+        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)
+    return acc
+
+
+@triton.jit
 def rms_rstd(ss64, WIDTH: tl.constexpr, eps):
     """``fp32(1 / sqrt(ss64 / WIDTH + eps))`` from the fp64 sum of squares, IEEE in fp64."""
     return (1.0 / tl.sqrt(ss64 / WIDTH + eps)).to(tl.float32)

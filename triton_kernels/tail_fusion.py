@@ -29,7 +29,8 @@ Kernels (all on the rank's stream, in the order A, B, C)
 (A) ``tail_a_kernel``: work item (token t, slice s), s < SLICES; item i is handled by
     program i % P on every rank (persistent grid-stride loop, grid capped to stay
     co-resident).  It computes this rank's routed row, columns of slice s, in fp32
-    (``numerics.py``: exact products, so the bits do not depend on FMA contraction; finalize ``scale * sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, or
+    (``numerics.py``: exact products, so the bits do not depend on FMA contraction;
+    finalize ``scale * sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, or
     ``scale * routed[t]``), canonicalizes -0.0 and stores it into routed slot (t, rank)
     of EVERY rank; it stores slice s of column shard d of ``shared[t]`` into rs slot
     (t, rank) of rank d, for every d.  Then it polls its LOCAL routed slots (t, 0..W-1)
@@ -111,7 +112,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (_INTERPRET, canonicalize, is_poisoned, now_ns, rearm, round_to, wait_ready)
-from .numerics import finalize32, rms_rstd, sq64
+from .numerics import finalize32, rank_sum64, rms_rstd, sq64
 
 BLOCK_M = 16        # M padded to 16 for tl.dot (TAIL_FUSION capacity is 16 tokens)
 PAD_BYTES_SIZE = 4096
@@ -173,11 +174,7 @@ def tail_a_kernel(
             ok = wait_ready(my_routed + rrows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr,
                             deadline, USE_GLOBALTIMER)
             if ok:
-                acc64 = tl.zeros([BLOCK_L], dtype=tl.float64)
-                for r in tl.static_range(W):
-                    acc64 += tl.load(my_routed + (t * W + r) * LATENT + col, mask=lmask, other=0.0,
-                                     volatile=True).to(tl.float64)
-                acc = acc64.to(tl.float32)
+                acc = rank_sum64(my_routed + t * W * LATENT + col, LATENT, lmask, W).to(tl.float32)
                 tl.store(sum_ptr + t * LATENT + col, acc, mask=lmask)
                 tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(sq64(acc)))  # fp64 statistic
                 rearm(my_routed + rrows, rmask, tl.float32)  # barrier first (lamport.py)
@@ -187,10 +184,7 @@ def tail_a_kernel(
                 ok2 = wait_ready(my_rs + srows, sm2, ctrl_ptr, host_flag_ptr, clock_ptr,
                                  deadline, USE_GLOBALTIMER)
                 if ok2:
-                    sacc = tl.zeros([BLOCK_S], dtype=tl.float64)
-                    for r in tl.static_range(W):
-                        sacc += tl.load(my_rs + (t * W + r) * SHARD + cs, mask=smask, other=0.0,
-                                        volatile=True).to(tl.float64)
+                    sacc = rank_sum64(my_rs + t * W * SHARD + cs, SHARD, smask, W)
                     tl.store(rs32_ptr + t * SHARD + cs, sacc.to(tl.float32), mask=smask)
                     rearm(my_rs + srows, sm2, DTYPE)
                     # ---- the program completing token t normalizes the row
