@@ -22,10 +22,9 @@ import json
 import os
 import sys
 
-for _k, _v in {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
-               "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ[_k] = _v
+from k3tail.testing import no_multicast
 
+no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
 import k3tail  # noqa: E402

@@ -18,13 +18,12 @@ queued behind another rank's would explain a whole-group timeout), then
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-for _k, _v in (("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
+from k3tail.testing import no_multicast
 
+no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
 import k3tail  # noqa: E402

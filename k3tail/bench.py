@@ -528,12 +528,6 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
         def gemm(i):
             return rig.run(lambda k: torch.matmul(normed[k], weights[k][1][i % len(weights[k][1])].t()))
 
-        try:
-            res = time_graph(gemm, max_calls=max_calls, budget_s=budget_s / 2)
-            base_pts.append({"name": "cublas_projection", "M": M, "phase": "graph", **res})
-            progress(f"  W={W} M={M:>5} {'cuBLAS proj.':<16} graph median {res['median_us']:9.2f} us")
-        except Exception as e:
-            skipped.append({"tier": "cublas_projection", "M": M, "why": f"{type(e).__name__}: {e}"})
         # k3tail.project: the same GEMM with the tiers' epilogue (fp32 prefix + shared, one rounding)
         from .projection import project
 
@@ -546,12 +540,14 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix=pre[k],
                                              shared_sum=shs[k], out_dtype=cfg.dtype))
 
-        try:
-            res = time_graph(proj, max_calls=max_calls, budget_s=budget_s / 2)
-            base_pts.append({"name": "k3tail_project", "M": M, "phase": "graph", **res})
-            progress(f"  W={W} M={M:>5} {'k3tail.project':<16} graph median {res['median_us']:9.2f} us")
-        except Exception as e:
-            skipped.append({"tier": "k3tail_project", "M": M, "why": f"{type(e).__name__}: {e}"})
+        for name, label, fn in (("cublas_projection", "cuBLAS proj.", gemm),
+                                ("k3tail_project", "k3tail.project", proj)):
+            try:
+                res = time_graph(fn, max_calls=max_calls, budget_s=budget_s / 2)
+                base_pts.append({"name": name, "M": M, "phase": "graph", **res})
+                progress(f"  W={W} M={M:>5} {label:<16} graph median {res['median_us']:9.2f} us")
+            except Exception as e:
+                skipped.append({"tier": name, "M": M, "why": f"{type(e).__name__}: {e}"})
         inputs = normed = pre = shs = None  # release this M's tensors before the next M
     # ratios against SEPARATE_REDUCE at the same (M, phase)
     ref = {(p["M"], p["phase"]): p["median_us"] for p in points if p["tier"] == "SEPARATE_REDUCE"}
