@@ -191,3 +191,15 @@ def tail_noise_floor(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], 
     for sh in shared:
         addends = addends + f64(sh).abs()
     return 2.0 ** -24 * (gemm + 2.0 * addends)
+
+
+def tier_agreement(out: torch.Tensor, sep: torch.Tensor, floor: torch.Tensor) -> dict:
+    """How far tier output ``out`` is from SEPARATE_REDUCE's ``sep`` (same inputs): the largest
+    elementwise distance in 16-bit ulps of ``sep``, the elements more than 2 ulp away but within
+    the projection's fp32 noise ``floor`` (:func:`tail_noise_floor`), and those beyond both (the
+    tiers must have none: DESIGN §6)."""
+    d = (f64(out) - f64(sep)).abs()
+    u = ulp(f64(sep), out.dtype)
+    beyond = d > 2 * u + floor
+    return {"max_ulp": float((d / u).max()), "within_floor": int(((d > 2 * u) & ~beyond).sum()),
+            "beyond": int(beyond.sum())}
