@@ -52,7 +52,12 @@ def main():
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--calls-per-graph", type=int, default=4)
     ap.add_argument("--timeout-s", type=float, default=5.0)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graph: eager steps, a sync after each")
+    ap.add_argument("--check-inputs", action="store_true",
+                    help="after every replay compare each rank's inputs with a copy taken before (finds stray writes)")
     args = ap.parse_args()
+    import os
+    print("env:", {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "K3TAIL_DISABLE_PDL")}, flush=True)
     if not torch.cuda.is_available():
         sys.exit("stress_loopback: needs a CUDA GPU")
     W, M = args.world_size, args.m
@@ -72,9 +77,30 @@ def main():
         return world.run(lambda r: mods[r](**ins[r], norm_weight=wts[r][0], up_weight=wts[r][1][0], tier=tier,
                                            graph_phase=True))
 
+    copies = [{k: v.clone() for k, v in d.items()} for d in ins]
+
+    def inputs_intact(i):
+        for r in range(W):
+            for k, v in ins[r].items():
+                if not torch.equal(v, copies[r][k]):
+                    print(f"replay {i}: rank {r}'s input {k} was overwritten", flush=True)
+                    return False
+        return True
+
     for _ in range(2):
         step()
     torch.cuda.synchronize()
+    if args.eager:
+        t0 = time.time()
+        for i in range(args.replays):
+            step()
+            torch.cuda.synchronize()
+            bad = [(r, n, ws.ctrl[:4].tolist()) for r in range(W) for n, ws in workspaces(mods[r]) if ws.poisoned()]
+            if bad or (args.check_inputs and not inputs_intact(i)):
+                print(f"eager step {i}: poisoned workspaces (rank, op, ctrl[:4]) = {bad}", flush=True)
+                return 1
+        print(f"{args.replays} eager steps clean in {time.time() - t0:.1f} s", flush=True)
+        return 0
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(args.calls_per_graph):
@@ -91,7 +117,7 @@ def main():
         if dt > 0.5:
             slow.append((i, dt))
         bad = [(r, n, ws.ctrl[:4].tolist()) for r in range(W) for n, ws in workspaces(mods[r]) if ws.poisoned()]
-        if bad:
+        if bad or (args.check_inputs and not inputs_intact(i)):
             print(f"replay {i} ({dt:.2f} s): poisoned workspaces (rank, op, ctrl[:4]) = {bad}", flush=True)
             break
     else:

@@ -31,14 +31,25 @@ def clock_arg(ws: Workspace) -> torch.Tensor:
 def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
     """Most programs one rank may launch so that the spinning grids of all ranks stay
     co-resident: one program per SM is resident whatever the kernel's registers and
-    shared memory, so a rank gets ``SMs`` programs, or ``SMs // W`` in loopback where W
-    virtual ranks share one GPU (a grid larger than what is resident can deadlock: seen
-    on the H200 at W=8).  Kernels are persistent and loop over their work items."""
+    shared memory, so a rank gets ``SMs`` programs.  Kernels are persistent and loop over
+    their work items, so a smaller grid only costs parallelism.
+
+    Loopback (W virtual ranks on one GPU) has a second rule: a rank's spinning programs
+    must leave room for the *other* ranks' ordinary kernels, which have to run for the
+    spinners to finish.  With ``SMs // W`` programs per rank every SM held a spinner, and a
+    cuBLAS GEMM whose thread blocks need a whole SM's shared memory (the projection at
+    M > 16) had nowhere to go: seen on the H200 as whole-group timeouts of the gather after
+    the GEMM (W=4 SEPARATE_REDUCE and W=8 FUSED_LANE_AR at M=64, eager and graphed).  So
+    in loopback all spinners together take at most ``K3TAIL_LOOPBACK_SPIN_SHARE`` (default
+    0.5) of the SMs; the block scheduler spreads them, leaving the rest free of spinners."""
     if interpret_mode() or device.type != "cuda":
         return 1 << 30
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if isinstance(group, LoopbackGroup):
-        return max(1, sms // group.world_size)
+        share = float(os.environ.get("K3TAIL_LOOPBACK_SPIN_SHARE", "0.5"))
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"K3TAIL_LOOPBACK_SPIN_SHARE must be in (0, 1], got {share}")
+        return max(1, int(sms * share) // group.world_size)
     return sms
 
 
