@@ -37,13 +37,27 @@ def _check_2d(name, t, *, shape, dtypes, device):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+_MM_OUT_DTYPE_OK: dict = {}  # device type -> does torch.mm(..., out_dtype=torch.float32) work here?
+
+
 def _mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``a @ w^T`` with fp32 output and fp32 accumulation, inputs unrounded."""
-    if a.device.type == "cuda":
+    """``a @ w^T`` with fp32 output and fp32 accumulation, inputs unrounded.
+
+    ``torch.mm(..., out_dtype=torch.float32)`` where this torch has it (probed once per device
+    type; a failure of the probe is remembered, never retried per call), else a matmul of fp32
+    upcasts.  A CUDA error raised by an earlier kernel (``torch.AcceleratorError``) is never
+    mistaken for "unsupported": it propagates."""
+    dev = a.device.type
+    if dev == "cuda" and _MM_OUT_DTYPE_OK.get(dev, True):
         try:
-            return torch.mm(a, w.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass
+            out = torch.mm(a, w.t(), out_dtype=torch.float32)
+            _MM_OUT_DTYPE_OK[dev] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            accel = getattr(torch, "AcceleratorError", None)
+            if accel is not None and isinstance(e, accel):
+                raise
+            _MM_OUT_DTYPE_OK[dev] = False
     return torch.matmul(a.float(), w.float().t())
 
 
