@@ -7,12 +7,14 @@ W = 8, M = 64 in loopback on the H200.
 
     python bench/stress_loopback.py --world-size 8 --m 64 --tier FUSED_LANE_AR --replays 300
 
-Seen on the H200 (b0e88a7): W=8 FUSED_LANE_AR times out in the module's loopback gather at
-M=64 (replay 0) and M=63 (replay 16), clean at M=33 and 48; W=4 SEPARATE_REDUCE at M=64 trips
-a torch index-kernel assert (M=63 clean).  Next to try: ``CUDA_DEVICE_MAX_CONNECTIONS=32``
-(8 rank streams + the launching one share 8 hardware queues by default, and a spinning kernel
-queued behind another rank's would explain a whole-group timeout), then
-``CUDA_LAUNCH_BLOCKING=1`` for the assert.
+Seen on the H200 (b0e88a7): W=8 FUSED_LANE_AR timed out in the module's loopback gather at
+M=64 and M=63; W=4 SEPARATE_REDUCE at M=64 too (eager as well).  Cause: with ``SMs // W``
+spinning programs per virtual rank every SM held a spinner, so another rank's cuBLAS projection
+(M > 16), whose blocks need a whole SM, could not be placed and the gather waiting for that
+rank timed out.  ``_launch.grid_cap`` now lets all spinners together take half the SMs
+(``K3TAIL_LOOPBACK_SPIN_SHARE``); at bea3323 ``K3TAIL_LOOPBACK_SPIN_SHARE=1.0`` still fails the
+W=4 case and the default runs W=4/8 at M=63/64 (100 replays), W=2 M=4096 and W=8 M=256 clean.
+``bench/loopback_diag.sh`` runs such cases one process each.
 """
 
 from __future__ import annotations
