@@ -666,26 +666,36 @@ def main(args) -> int:
         f"{'routed' if args.routed else 'deferred triple'}")
     deadline = t_start + args.max_seconds if args.max_seconds and args.max_seconds > 0 else None
     worlds = []
+    error = None  # a world that raised: the worlds before it are still written, marked incomplete
     for W in world_sizes:
         cfg = make_config(args, max(ms), W)
         t0 = time.perf_counter()
         kw = {"timeout_s": args.timeout_s}
         if args.lane_max_tokens is not None:
             kw["lane_max_tokens"] = args.lane_max_tokens
-        rig = _Rig(W, cfg, multiproc=multiproc, module_kwargs=kw)
-        say(f"W={W}: built in {time.perf_counter() - t0:.1f} s; caps {rig.caps}; "
-            f"tiers {list(tier_ranges(rig.caps, cfg))}")
         try:
-            wres = bench_world(rig, ms, tiers=args.tiers, phases=args.phases, deferred=not args.routed,
-                               budget_s=args.budget_s, max_calls=max(1, args.max_calls), seed=args.seed,
-                               deadline=deadline, progress=say)
-        finally:
-            rig.close()
+            rig = _Rig(W, cfg, multiproc=multiproc, module_kwargs=kw)
+            say(f"W={W}: built in {time.perf_counter() - t0:.1f} s; caps {rig.caps}; "
+                f"tiers {list(tier_ranges(rig.caps, cfg))}")
+            try:
+                wres = bench_world(rig, ms, tiers=args.tiers, phases=args.phases, deferred=not args.routed,
+                                   budget_s=args.budget_s, max_calls=max(1, args.max_calls), seed=args.seed,
+                                   deadline=deadline, progress=say)
+            finally:
+                try:
+                    rig.close()
+                except Exception:  # noqa: BLE001 - a broken CUDA context: keep the first error
+                    pass
+        except Exception as e:  # noqa: BLE001 - reported, written to the JSON, exit status 1
+            error = {"world_size": W, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+            logging.getLogger("k3tail").error("k3tail bench: W=%d failed, results of the worlds before it are "
+                                              "written and marked incomplete", W, exc_info=True)
+            break
         wres["seconds"] = time.perf_counter() - t0
         worlds.append(wres)
         say(f"W={W}: done in {wres['seconds']:.1f} s")
     if not rank0:
-        return 0
+        return 1 if error else 0
     name = args.name or f"tier_map_{_slug(meta['device'])}"
     payload = {
         **meta,
@@ -708,6 +718,7 @@ def main(args) -> int:
                      "shared epilogue and one rounding) alone (loopback: the W ranks' GEMMs run concurrently "
                      "on the one GPU, as inside the tiers)",
         "worlds": worlds,
+        "incomplete": error,
         "figures": [],
         "seconds": time.perf_counter() - t_start,
     }
@@ -722,6 +733,9 @@ def main(args) -> int:
     say(f"wrote {path}")
     _print_summary(worlds, say)
     say(f"total {time.perf_counter() - t_start:.1f} s")
+    if error:
+        say(f"INCOMPLETE: W={error['world_size']} failed ({error['error']}); the worlds before it are in {path}")
+        return 1
     return 0
 
 

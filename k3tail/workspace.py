@@ -130,6 +130,39 @@ class DistComm(Comm):
             dist.barrier(group=self.group)
 
 
+def _check_distinct_streams(streams, *, what: str) -> None:
+    """Raise if two of ``streams`` are the same CUDA stream (torch's pool wraps after 32)."""
+    handles = [s.cuda_stream for s in streams]
+    if len(set(handles)) != len(handles):
+        raise K3TailError(f"{what}: two virtual ranks got the same CUDA stream from torch's stream pool "
+                          f"(32 per priority, handed out in turn); at most 32 ranks per world")
+
+
+def _rank_streams(device: torch.device, n: int) -> list:
+    """``n`` pooled streams that are neither the current stream nor torch.cuda.graph's default
+    capture stream (created here if torch has not made it yet, as torch would): the pool hands
+    out 32 streams per priority in turn, so after 32 a new stream can be an old one, and a rank
+    stream that is the capture stream would serialize the ranks behind a spinning kernel."""
+    if getattr(torch.cuda.graph, "default_capture_stream", "absent") is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    cap = getattr(torch.cuda.graph, "default_capture_stream", None)
+    avoid = {torch.cuda.current_stream(device).cuda_stream}
+    if cap is not None and cap.device == device:
+        avoid.add(cap.cuda_stream)
+    out = []
+    for _ in range(n + 64):
+        if len(out) == n:
+            break
+        s = torch.cuda.Stream(device=device)
+        if s.cuda_stream not in avoid:
+            avoid.add(s.cuda_stream)
+            out.append(s)
+    if len(out) < n:
+        raise K3TailError(f"LoopbackWorld({n}): torch's stream pool has too few distinct streams for {n} "
+                          f"virtual ranks (32 per priority, less the current and the capture stream)")
+    return out
+
+
 class LoopbackWorld:
     """W virtual ranks in one process on one GPU, each with its own stream.
 
@@ -150,7 +183,8 @@ class LoopbackWorld:
                               "use k3tail.spawn(device='cpu') for CPU ranks")
         self.world_size = world_size
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        self.streams = [torch.cuda.Stream(device=self.device) for _ in range(world_size)]
+        self.streams = _rank_streams(self.device, world_size)
+        _check_distinct_streams(self.streams, what=f"LoopbackWorld({world_size})")
         self._lock = threading.Lock()
         self._regions: dict = {}
         self._barrier = threading.Barrier(world_size)
@@ -208,6 +242,13 @@ class LoopbackWorld:
                     with torch.cuda.stream(s):
                         fn(r)
         cur = torch.cuda.current_stream(self.device)
+        if any(s.cuda_stream == cur.cuda_stream for s in self.streams):
+            raise K3TailError(
+                "LoopbackWorld.run: the current stream is one of the virtual ranks' streams (torch hands out "
+                "its pooled streams in turn, 32 per priority, so a stream made later, such as the default "
+                "capture stream of torch.cuda.graph, can be the same CUDA stream); a rank's spinning kernel "
+                "would then hold back the ranks launched after it.  Capture on a stream of your own: "
+                "torch.cuda.graph(g, stream=s) with s not in world.streams")
         out = []
         for r, s in enumerate(self.streams):
             s.wait_stream(cur)

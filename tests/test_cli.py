@@ -433,3 +433,37 @@ def test_bench_world_deadline_skips_points(monkeypatch):
                         deadline=0.0, progress=print)
     assert not res["points"] and not res["baselines"]
     assert all("time budget" in s["why"] for s in res["skipped"]) and len(res["skipped"]) == 6
+
+
+def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys):
+    """A world that raises (a device assert, say) must not lose the worlds measured before it:
+    they are written, the JSON says which W failed, and the exit status is 1."""
+    from k3tail.tiers import TailCaps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+                                                          "torch": "t", "triton": "3.6.0", **kw})
+    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 5.0))
+    monkeypatch.setattr(B, "time_eager", _fake_timer(lambda: 7.0))
+    caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
+    closed = []
+
+    def fake_rig(W, cfg, *, multiproc, module_kwargs):
+        if W != 2:
+            raise RuntimeError("CUDA error: device-side assert triggered\nmore lines")
+        rig = _FakeRig(caps, W=2)
+        rig.close = lambda: closed.append(W)
+        return rig
+
+    monkeypatch.setattr(B, "_Rig", fake_rig)
+    rc, text = inproc(capsys, "bench", "--world-sizes", "2,4", "--m", "1,4", "--hidden", "64", "--latent", "32",
+                      "--top-k", "4", "--out-dir", str(tmp_path), "--name", "partial", "--no-plot",
+                      "--phases", "graph")
+    print(text)
+    assert rc == 1, text
+    assert closed == [2]
+    data = json.loads((tmp_path / "partial.json").read_text())
+    assert [w["world_size"] for w in data["worlds"]] == [2]
+    assert data["incomplete"] == {"world_size": 4, "error": "RuntimeError: CUDA error: device-side assert triggered"}
+    assert {p["M"] for p in data["worlds"][0]["points"]} == {1, 4}
+    assert "INCOMPLETE: W=4 failed" in text

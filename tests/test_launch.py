@@ -45,3 +45,13 @@ def test_process_groups_get_every_sm(gpu_props):
 
 def test_cpu_and_interpreter_are_uncapped(monkeypatch):
     assert L.grid_cap(None, torch.device("cpu")) == 1 << 30
+
+
+def test_loopback_streams_must_be_distinct():
+    from k3tail.errors import K3TailError
+    from k3tail.workspace import _check_distinct_streams
+
+    S = types.SimpleNamespace
+    _check_distinct_streams([S(cuda_stream=1), S(cuda_stream=2)], what="w")
+    with pytest.raises(K3TailError, match="same CUDA stream"):
+        _check_distinct_streams([S(cuda_stream=1), S(cuda_stream=2), S(cuda_stream=1)], what="w")
