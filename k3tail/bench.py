@@ -181,6 +181,8 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
     if plt is None:
         return None
     worlds = results["worlds"]
+    if not worlds:  # nothing measured (the first world failed): no figure
+        return None
     phases = ("graph", "eager")
     fig, axes = plt.subplots(len(worlds), 2, figsize=(13, 4.2 * len(worlds)), squeeze=False)
     for row, wres in enumerate(worlds):

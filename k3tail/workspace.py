@@ -234,13 +234,6 @@ class LoopbackWorld:
         skips that pass (timed loops whose every variant is already loaded: the pass would
         run their torch ops a second time inside the measured interval).
         """
-        if warm and not torch.cuda.is_current_stream_capturing():
-            from ._launch import warm_only
-
-            with warm_only():
-                for r, s in enumerate(self.streams):
-                    with torch.cuda.stream(s):
-                        fn(r)
         cur = torch.cuda.current_stream(self.device)
         if any(s.cuda_stream == cur.cuda_stream for s in self.streams):
             raise K3TailError(
@@ -249,6 +242,18 @@ class LoopbackWorld:
                 "capture stream of torch.cuda.graph, can be the same CUDA stream); a rank's spinning kernel "
                 "would then hold back the ranks launched after it.  Capture on a stream of your own: "
                 "torch.cuda.graph(g, stream=s) with s not in world.streams")
+        if warm and not torch.cuda.is_current_stream_capturing():
+            from ._launch import warm_only
+
+            with warm_only():
+                self._fan_out(cur, fn)
+        return self._fan_out(cur, fn)
+
+    def _fan_out(self, cur, fn) -> list:
+        """``fn(r)`` on rank r's stream, forked from and joined back into ``cur``.  Both passes
+        of :meth:`run` fork: the warm pass runs ``fn``'s torch ops for real, and without the
+        fork they read inputs that ``cur`` is still writing (seen on the H200: the finalize's
+        gather read a half-written ``expanded_idx`` of a fresh M = 8192 input and asserted)."""
         out = []
         for r, s in enumerate(self.streams):
             s.wait_stream(cur)

@@ -55,3 +55,54 @@ def test_loopback_streams_must_be_distinct():
     _check_distinct_streams([S(cuda_stream=1), S(cuda_stream=2)], what="w")
     with pytest.raises(K3TailError, match="same CUDA stream"):
         _check_distinct_streams([S(cuda_stream=1), S(cuda_stream=2), S(cuda_stream=1)], what="w")
+
+
+def test_loopback_run_forks_both_passes(monkeypatch):
+    """Both passes of LoopbackWorld.run (the warm pass runs fn's torch ops for real) wait for the
+    current stream before fn and are joined back: without it the warm pass read inputs the
+    current stream was still writing (H200: a gather asserted on a half-written expanded_idx)."""
+    import contextlib
+
+    from k3tail import _launch
+    from k3tail.workspace import LoopbackWorld
+
+    log = []
+
+    class S:
+        def __init__(self, name):
+            self.name, self.cuda_stream = name, hash(name)
+
+        def wait_stream(self, other):
+            log.append(f"{self.name}<-{other.name}")
+
+    cur = S("cur")
+    world = object.__new__(LoopbackWorld)
+    world.world_size, world.device, world.streams = 2, torch.device("cuda", 0), [S("s0"), S("s1")]
+    active = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: active[-1] if active else cur)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    @contextlib.contextmanager
+    def stream(s):
+        active.append(s)
+        try:
+            yield
+        finally:
+            active.pop()
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+
+    def fn(r):
+        mode = "warm" if getattr(_launch._mode, "warm_only", False) else "real"
+        log.append(f"{mode} fn{r} on {torch.cuda.current_stream().name}")
+        return r
+
+    assert world.run(fn) == [0, 1]
+    one_pass = ["s0<-cur", "{m} fn0 on s0", "s1<-cur", "{m} fn1 on s1", "cur<-s0", "cur<-s1"]
+    assert log == [x.format(m="warm") for x in one_pass] + [x.format(m="real") for x in one_pass]
+    log.clear()
+    world.run(fn, warm=False)
+    assert log == [x.format(m="real") for x in one_pass]
+    active.append(world.streams[1])  # the current stream is a rank stream: refused
+    from k3tail.errors import K3TailError
+    with pytest.raises(K3TailError, match="current stream is one of the virtual ranks"):
+        world.run(fn)
