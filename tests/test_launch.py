@@ -106,3 +106,29 @@ def test_loopback_run_forks_both_passes(monkeypatch):
     from k3tail.errors import K3TailError
     with pytest.raises(K3TailError, match="current stream is one of the virtual ranks"):
         world.run(fn)
+
+
+def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
+    """torch's stream pool wraps after 32: rank streams must never be the current stream or
+    torch.cuda.graph's default capture stream (a rank would then serialize the others)."""
+    from k3tail.errors import K3TailError
+    from k3tail.workspace import _rank_streams
+
+    dev = torch.device("cuda", 0)
+    pool = iter([5, 7, 5, 9, 11, 13] + list(range(100, 200)))
+
+    class S:
+        def __init__(self, device=None, handle=None):
+            self.device = dev
+            self.cuda_stream = next(pool) if handle is None else handle
+
+    monkeypatch.setattr(torch.cuda, "Stream", S)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: S(handle=7))
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", S(handle=9), raising=False)
+    got = [s.cuda_stream for s in _rank_streams(dev, 4)]
+    assert got == [5, 11, 13, 100]  # 7 (current), the second 5 (taken) and 9 (capture) skipped
+    pool2 = iter([1, 1] * 100)
+    monkeypatch.setattr(S, "__init__", lambda self, device=None, handle=None: (
+        setattr(self, "device", dev), setattr(self, "cuda_stream", next(pool2) if handle is None else handle)) and None)
+    with pytest.raises(K3TailError, match="too few distinct streams"):
+        _rank_streams(dev, 3)
