@@ -194,16 +194,13 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
                 tp = sorted((p["M"], p["median_us"]) for p in pts if p["tier"] == tier)
                 ax.plot([m for m, _ in tp], [t for _, t in tp], marker="o", ms=3, label=tier,
                         color=TIER_COLORS.get(tier))
-            base = sorted((b["M"], b["median_us"]) for b in wres.get("baselines", [])
-                          if b["name"] == "cublas_projection" and b.get("median_us") is not None)
-            if base and phase == "graph":
-                ax.plot([m for m, _ in base], [t for _, t in base], ls="--", color="black", lw=1,
-                        label="cuBLAS projection only")
-            proj = sorted((b["M"], b["median_us"]) for b in wres.get("baselines", [])
-                          if b["name"] == "k3tail_project" and b.get("median_us") is not None)
-            if proj and phase == "graph":
-                ax.plot([m for m, _ in proj], [t for _, t in proj], ls=":", color="black", lw=1,
-                        label="k3tail.project only")
+            for bname, ls, blabel in (("cublas_projection", "--", "cuBLAS projection only"),
+                                      ("k3tail_project", ":", "k3tail.project only"),
+                                      ("k3tail_project_triton_epilogue", "-.", "k3tail.project, Triton epilogue")):
+                base = sorted((b["M"], b["median_us"]) for b in wres.get("baselines", [])
+                              if b["name"] == bname and b.get("median_us") is not None)
+                if base and phase == "graph":
+                    ax.plot([m for m, _ in base], [t for _, t in base], ls=ls, color="black", lw=1, label=blabel)
             chosen = wres.get("selected", {}).get(phase, {})
             first = True
             for m_str, tier in chosen.items():
@@ -538,12 +535,17 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
         pre = [inputs[k]["prefix_hidden"][:, cols[k]].contiguous() for k in range(len(rig.ranks))]
         shs = [inputs[k]["shared"][:, cols[k]].float().contiguous() for k in range(len(rig.ranks))]
 
-        def proj(i):
+        def proj(i, tactics=None):
             return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix=pre[k],
-                                             shared_sum=shs[k], out_dtype=cfg.dtype))
+                                             shared_sum=shs[k], out_dtype=cfg.dtype, tactics=tactics))
 
-        for name, label, fn in (("cublas_projection", "cuBLAS proj.", gemm),
-                                ("k3tail_project", "k3tail.project", proj)):
+        def proj_te(i):  # the large-M path with the one-pass Triton epilogue (same bits)
+            return proj(i, {"epilogue": "triton"})
+
+        variants = [("cublas_projection", "cuBLAS proj.", gemm), ("k3tail_project", "k3tail.project", proj)]
+        if M > 16:
+            variants.append(("k3tail_project_triton_epilogue", "project+TritonEp", proj_te))
+        for name, label, fn in variants:
             try:
                 res = time_graph(fn, max_calls=max_calls, budget_s=budget_s / 2)
                 base_pts.append({"name": name, "M": M, "phase": "graph", **res})
@@ -717,7 +719,9 @@ def main(args) -> int:
         "baselines": "SEPARATE_REDUCE is the unfused reference (speedup_vs_separate_reduce per point); "
                      "cublas_projection times every rank's torch.matmul(normed, up_weight_shard.T) alone; "
                      "k3tail_project times every rank's k3tail.project (the same GEMM with the fp32 prefix + "
-                     "shared epilogue and one rounding) alone (loopback: the W ranks' GEMMs run concurrently "
+                     "shared epilogue and one rounding) alone, and for M > 16 k3tail_project_triton_epilogue the same "
+                     "with the one-pass Triton epilogue (tactic epilogue='triton', same bits) "
+                     "(loopback: the W ranks' GEMMs run concurrently "
                      "on the one GPU, as inside the tiers)",
         "worlds": worlds,
         "incomplete": error,

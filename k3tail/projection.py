@@ -8,7 +8,9 @@ one ``.to(dtype)``.  Both paths keep the same contract; they may differ in the f
 summation order (so by at most an ulp in rare ties), never in the rounding count.
 
 Tactics (dict, optional): ``triton_max_m`` (largest M that takes the Triton path; default 16),
-``block_n``, ``block_k``, ``num_warps``.  Note: the fp32-upcast fallback on CUDA honours
+``block_n``, ``block_k``, ``num_warps``; ``epilogue`` for the large-M path: ``"torch"`` (default:
+four elementwise passes) or ``"triton"`` (``epilogue_kernel``, one pass, the same bits; not yet
+timed on a GPU, so not the default).  Note: the fp32-upcast fallback on CUDA honours
 ``torch.backends.cuda.matmul.allow_tf32``; keep it False (PyTorch's default) for the contract.
 """
 
@@ -19,10 +21,11 @@ from typing import Optional
 import torch
 
 from . import _launch as L
-from .triton_kernels.projection import projection_kernel
+from .triton_kernels.projection import epilogue_kernel, projection_kernel
 from .workspace import interpret_mode
 
-_TACTIC_KEYS = {"triton_max_m", "block_n", "block_k", "num_warps"}
+_TACTIC_KEYS = {"triton_max_m", "block_n", "block_k", "num_warps", "epilogue"}
+_EPILOGUES = ("torch", "triton")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -88,6 +91,9 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
         _check_2d("prefix", prefix, shape=(M, N), dtypes=L.SUPPORTED_DTYPES, device=dev)
     if shared_sum is not None:
         _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=(torch.float32, *L.SUPPORTED_DTYPES), device=dev)
+    epilogue = tactics.get("epilogue", "torch")
+    if epilogue not in _EPILOGUES:
+        raise ValueError(f"tactics['epilogue'] must be one of {list(_EPILOGUES)}, got {epilogue!r}")
     out_dtype = normed.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
@@ -110,7 +116,22 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_PREFIX=prefix is not None,
                  HAS_SHSUM=shared_sum is not None, num_warps=int(tactics.get("num_warps", 4)))
         return out
-    return _epilogue(_mm_f32(normed, up_weight), prefix, shared_sum, out)
+    acc = _mm_f32(normed, up_weight)
+    if epilogue == "triton":
+        return _epilogue_triton(acc.contiguous(), prefix, shared_sum, out)
+    return _epilogue(acc, prefix, shared_sum, out)
+
+
+def _epilogue_triton(acc, prefix, shared_sum, out, block_m: int = 16, block_n: int = 128):
+    """``epilogue_kernel``: ``(prefix + acc) + shared_sum`` in one pass, one rounding into ``out``."""
+    M, N = acc.shape
+    pz = prefix if prefix is not None else out
+    sz = shared_sum if shared_sum is not None else out
+    grid = (triton_cdiv(N, block_n), triton_cdiv(M, block_m))
+    L.launch(epilogue_kernel, grid, acc, pz, sz, out, M, N, acc.stride(0), pz.stride(0), pz.stride(1),
+             sz.stride(0), sz.stride(1), out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
+             HAS_PREFIX=prefix is not None, HAS_SHSUM=shared_sum is not None)
+    return out
 
 
 def _epilogue(acc, prefix, shared_sum, out):

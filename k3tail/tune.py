@@ -196,7 +196,8 @@ class _Project:
 
     def resolved(self) -> dict:
         # project()'s own defaults on CUDA (k3tail/projection.py), filled in for the table
-        t = {"block_n": 16 if self.n <= 4096 else 32, "block_k": 256, "num_warps": 4, "triton_max_m": 16}
+        t = {"block_n": 16 if self.n <= 4096 else 32, "block_k": 256, "num_warps": 4, "triton_max_m": 16,
+             "epilogue": "torch"}
         return {**t, **self.tactic}
 
     def __call__(self, *args, **kwargs):
@@ -225,7 +226,7 @@ class ProjectSpec(Spec):
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         t = dict(tactic or {})
         # project() validates its tactics at call time: reject bad ones here, before timing
-        unknown = set(t) - {"triton_max_m", "block_n", "block_k", "num_warps"}
+        unknown = set(t) - {"triton_max_m", "block_n", "block_k", "num_warps", "epilogue"}
         if unknown:
             raise ValueError(f"tactics has unknown keys {sorted(unknown)}")
         for k in ("block_n", "block_k"):

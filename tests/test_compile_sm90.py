@@ -56,6 +56,9 @@ def _drive_w1():
         residual=T.randn((M, Lt), torch.bfloat16, 2))
     project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),
             prefix=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6))
+    project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),  # large-M path's epilogue
+            prefix=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6),
+            tactics={"triton_max_m": 0, "epilogue": "triton"})
     for key, tactics in (("compile.w1", None), ("compile.w1.gemv", {"b_gemv_max_m": 4})):  # B tiled / GEMV
         LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
             prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
@@ -123,7 +126,7 @@ def test_every_launched_variant_compiles_for_sm90(monkeypatch):
     _drive_w1()
     records = list(_RECORDS) + [r for rank_recs in k3tail.spawn(2, _rank_records) for r in rank_recs]
     names = {r["name"] for r in records}
-    assert {"finalize_ar_norm_kernel", "projection_kernel", "tail_a_kernel", "tail_b_kernel", "tail_b_gemv_kernel",
+    assert {"finalize_ar_norm_kernel", "projection_kernel", "epilogue_kernel", "tail_a_kernel", "tail_b_kernel", "tail_b_gemv_kernel",
             "tail_c_kernel", "oneshot_allreduce_kernel"} <= names, names
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(records), capture_output=True,

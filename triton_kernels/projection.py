@@ -13,6 +13,12 @@ masking).  Small BLOCK_N gives many programs, so the weight stream (the whole co
 small M) spreads over the GPU.  Epilogue in fp32: ``(prefix + acc) + shared_sum`` then one
 round-to-nearest-even (:func:`round_to`).  Each output element is written by one program:
 no races, deterministic.
+
+``epilogue_kernel`` is the same epilogue on its own, for the large-M path whose GEMM runs in
+cuBLAS with an fp32 output: one pass over ``acc [M, N]`` (fp32, contiguous), ``prefix`` and
+``shared_sum`` (any strides), ``(prefix + acc) + shared_sum`` in fp32, one RNE rounding into
+``out`` -- the same additions in the same order as the torch epilogue, so the same bits, in one
+pass instead of four.  Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``, one tile per program.
 """
 
 import triton
@@ -64,3 +70,23 @@ def projection_kernel(
         acc = acc + s.to(tl.float32)
     tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :] * stride_on,
              round_to(acc, out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def epilogue_kernel(
+    acc_ptr, prefix_ptr, shsum_ptr, out_ptr, M, N,
+    stride_am, stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
+):
+    rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    v = tl.load(acc_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0.0)
+    if HAS_PREFIX:
+        p = tl.load(prefix_ptr + rm[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
+        v = p.to(tl.float32) + v
+    if HAS_SHSUM:
+        sh = tl.load(shsum_ptr + rm[:, None] * stride_sm + rn[None, :] * stride_sn, mask=mask, other=0.0)
+        v = v + sh.to(tl.float32)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, round_to(v, out_ptr.dtype.element_ty),
+             mask=mask)
