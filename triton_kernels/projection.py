@@ -61,15 +61,25 @@ def projection_kernel(
         else:
             acc = tl.dot(a, tl.trans(w), acc)
         k0 += BLOCK_K
-    omask = mmask[:, None] & nmask[None, :]
+    _finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mmask[:, None] & nmask[None, :],
+                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+
+
+@triton.jit
+def _finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mask,
+                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                 HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
+    """The epilogue contract of both kernels: ``(prefix + acc) + shared_sum`` in fp32, then one
+    RNE rounding into ``out`` (``acc`` is an fp32 ``[BLOCK_M, BLOCK_N]`` tile at rows ``rm64``,
+    columns ``rn64``)."""
     if HAS_PREFIX:
-        p = tl.load(prefix_ptr + rm64[:, None] * stride_pm + rn64[None, :] * stride_pn, mask=omask, other=0.0)
+        p = tl.load(prefix_ptr + rm64[:, None] * stride_pm + rn64[None, :] * stride_pn, mask=mask, other=0.0)
         acc = p.to(tl.float32) + acc
     if HAS_SHSUM:
-        s = tl.load(shsum_ptr + rm64[:, None] * stride_sm + rn64[None, :] * stride_sn, mask=omask, other=0.0)
+        s = tl.load(shsum_ptr + rm64[:, None] * stride_sm + rn64[None, :] * stride_sn, mask=mask, other=0.0)
         acc = acc + s.to(tl.float32)
     tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :] * stride_on,
-             round_to(acc, out_ptr.dtype.element_ty), mask=omask)
+             round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -81,12 +91,6 @@ def epilogue_kernel(
     rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    v = tl.load(acc_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0.0)
-    if HAS_PREFIX:
-        p = tl.load(prefix_ptr + rm[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
-        v = p.to(tl.float32) + v
-    if HAS_SHSUM:
-        sh = tl.load(shsum_ptr + rm[:, None] * stride_sm + rn[None, :] * stride_sn, mask=mask, other=0.0)
-        v = v + sh.to(tl.float32)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, round_to(v, out_ptr.dtype.element_ty),
-             mask=mask)
+    acc = tl.load(acc_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0.0)
+    _finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm, rn, mask,
+                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
