@@ -20,6 +20,7 @@ W=4 case and the default runs W=4/8 at M=63/64 (100 replays), W=2 M=4096 and W=8
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -58,7 +59,6 @@ def main():
     ap.add_argument("--check-inputs", action="store_true",
                     help="after every replay compare each rank's inputs with a copy taken before (finds stray writes)")
     args = ap.parse_args()
-    import os
     print("env:", {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "K3TAIL_DISABLE_PDL")}, flush=True)
     if not torch.cuda.is_available():
         sys.exit("stress_loopback: needs a CUDA GPU")
@@ -81,13 +81,21 @@ def main():
 
     copies = [{k: v.clone() for k, v in d.items()} for d in ins]
 
-    def inputs_intact(i):
+    def inputs_intact(what):
         for r in range(W):
             for k, v in ins[r].items():
                 if not torch.equal(v, copies[r][k]):
-                    print(f"replay {i}: rank {r}'s input {k} was overwritten", flush=True)
+                    print(f"{what}: rank {r}'s input {k} was overwritten", flush=True)
                     return False
         return True
+
+    def failed(what):
+        """After a synced step: report poisoned workspaces (and overwritten inputs); True if any."""
+        bad = [(r, n, ws.ctrl[:4].tolist()) for r in range(W) for n, ws in workspaces(mods[r]) if ws.poisoned()]
+        if bad or (args.check_inputs and not inputs_intact(what)):
+            print(f"{what}: poisoned workspaces (rank, op, ctrl[:4]) = {bad}", flush=True)
+            return True
+        return False
 
     for _ in range(2):
         step()
@@ -97,9 +105,7 @@ def main():
         for i in range(args.replays):
             step()
             torch.cuda.synchronize()
-            bad = [(r, n, ws.ctrl[:4].tolist()) for r in range(W) for n, ws in workspaces(mods[r]) if ws.poisoned()]
-            if bad or (args.check_inputs and not inputs_intact(i)):
-                print(f"eager step {i}: poisoned workspaces (rank, op, ctrl[:4]) = {bad}", flush=True)
+            if failed(f"eager step {i}"):
                 return 1
         print(f"{args.replays} eager steps clean in {time.time() - t0:.1f} s", flush=True)
         return 0
@@ -118,9 +124,7 @@ def main():
         dt = time.perf_counter() - a
         if dt > 0.5:
             slow.append((i, dt))
-        bad = [(r, n, ws.ctrl[:4].tolist()) for r in range(W) for n, ws in workspaces(mods[r]) if ws.poisoned()]
-        if bad or (args.check_inputs and not inputs_intact(i)):
-            print(f"replay {i} ({dt:.2f} s): poisoned workspaces (rank, op, ctrl[:4]) = {bad}", flush=True)
+        if failed(f"replay {i} ({dt:.2f} s)"):
             break
     else:
         print(f"{args.replays} replays clean in {time.time() - t0:.1f} s; slow replays {slow}", flush=True)

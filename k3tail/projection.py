@@ -47,15 +47,13 @@ def _mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ w^T`` with fp32 output and fp32 accumulation, inputs unrounded.
 
     ``torch.mm(..., out_dtype=torch.float32)`` where this torch has it (probed once per device
-    type; a failure of the probe is remembered, never retried per call), else a matmul of fp32
+    type; a failure is remembered, never retried per call), else a matmul of fp32
     upcasts.  A CUDA error raised by an earlier kernel (``torch.AcceleratorError``) is never
     mistaken for "unsupported": it propagates."""
     dev = a.device.type
     if dev == "cuda" and _MM_OUT_DTYPE_OK.get(dev, True):
         try:
-            out = torch.mm(a, w.t(), out_dtype=torch.float32)
-            _MM_OUT_DTYPE_OK[dev] = True
-            return out
+            return torch.mm(a, w.t(), out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError) as e:
             accel = getattr(torch, "AcceleratorError", None)
             if accel is not None and isinstance(e, accel):

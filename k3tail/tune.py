@@ -226,7 +226,9 @@ class ProjectSpec(Spec):
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         t = dict(tactic or {})
         # project() validates its tactics at call time: reject bad ones here, before timing
-        unknown = set(t) - {"triton_max_m", "block_n", "block_k", "num_warps", "epilogue"}
+        from .projection import _TACTIC_KEYS
+
+        unknown = set(t) - _TACTIC_KEYS
         if unknown:
             raise ValueError(f"tactics has unknown keys {sorted(unknown)}")
         for k in ("block_n", "block_k"):

@@ -130,14 +130,6 @@ class DistComm(Comm):
             dist.barrier(group=self.group)
 
 
-def _check_distinct_streams(streams, *, what: str) -> None:
-    """Raise if two of ``streams`` are the same CUDA stream (torch's pool wraps after 32)."""
-    handles = [s.cuda_stream for s in streams]
-    if len(set(handles)) != len(handles):
-        raise K3TailError(f"{what}: two virtual ranks got the same CUDA stream from torch's stream pool "
-                          f"(32 per priority, handed out in turn); at most 32 ranks per world")
-
-
 def _rank_streams(device: torch.device, n: int) -> list:
     """``n`` pooled streams that are neither the current stream nor torch.cuda.graph's default
     capture stream (created here if torch has not made it yet, as torch would): the pool hands
@@ -184,7 +176,6 @@ class LoopbackWorld:
         self.world_size = world_size
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.streams = _rank_streams(self.device, world_size)
-        _check_distinct_streams(self.streams, what=f"LoopbackWorld({world_size})")
         self._lock = threading.Lock()
         self._regions: dict = {}
         self._barrier = threading.Barrier(world_size)

@@ -47,16 +47,6 @@ def test_cpu_and_interpreter_are_uncapped(monkeypatch):
     assert L.grid_cap(None, torch.device("cpu")) == 1 << 30
 
 
-def test_loopback_streams_must_be_distinct():
-    from k3tail.errors import K3TailError
-    from k3tail.workspace import _check_distinct_streams
-
-    S = types.SimpleNamespace
-    _check_distinct_streams([S(cuda_stream=1), S(cuda_stream=2)], what="w")
-    with pytest.raises(K3TailError, match="same CUDA stream"):
-        _check_distinct_streams([S(cuda_stream=1), S(cuda_stream=2), S(cuda_stream=1)], what="w")
-
-
 def test_loopback_run_forks_both_passes(monkeypatch):
     """Both passes of LoopbackWorld.run (the warm pass runs fn's torch ops for real) wait for the
     current stream before fn and are joined back: without it the warm pass read inputs the
