@@ -196,6 +196,7 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
                         color=TIER_COLORS.get(tier))
             for bname, ls, blabel in (("cublas_projection", "--", "cuBLAS projection only"),
                                       ("k3tail_project", ":", "k3tail.project only"),
+                                      ("k3tail_project_torch_epilogue", "-.", "k3tail.project, torch epilogue"),
                                       ("k3tail_project_triton_epilogue", "-.", "k3tail.project, Triton epilogue")):
                 base = sorted((b["M"], b["median_us"]) for b in wres.get("baselines", [])
                               if b["name"] == bname and b.get("median_us") is not None)
@@ -539,12 +540,12 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix=pre[k],
                                              shared_sum=shs[k], out_dtype=cfg.dtype, tactics=tactics))
 
-        def proj_te(i):  # the large-M path with the one-pass Triton epilogue (same bits)
-            return proj(i, {"epilogue": "triton"})
+        def proj_te(i):  # the large-M path with the four-pass torch epilogue (same bits, the old default)
+            return proj(i, {"epilogue": "torch"})
 
         variants = [("cublas_projection", "cuBLAS proj.", gemm), ("k3tail_project", "k3tail.project", proj)]
         if M > 16:
-            variants.append(("k3tail_project_triton_epilogue", "project+TritonEp", proj_te))
+            variants.append(("k3tail_project_torch_epilogue", "project+torchEp", proj_te))
         for name, label, fn in variants:
             try:
                 res = time_graph(fn, max_calls=max_calls, budget_s=budget_s / 2)
@@ -719,8 +720,9 @@ def main(args) -> int:
         "baselines": "SEPARATE_REDUCE is the unfused reference (speedup_vs_separate_reduce per point); "
                      "cublas_projection times every rank's torch.matmul(normed, up_weight_shard.T) alone; "
                      "k3tail_project times every rank's k3tail.project (the same GEMM with the fp32 prefix + "
-                     "shared epilogue and one rounding) alone, and for M > 16 k3tail_project_triton_epilogue the same "
-                     "with the one-pass Triton epilogue (tactic epilogue='triton', same bits) "
+                     "shared epilogue and one rounding; above M = 16 its default one-pass Triton epilogue) alone, and "
+                     "for M > 16 k3tail_project_torch_epilogue the same with the four-pass torch epilogue "
+                     "(tactic epilogue='torch', same bits) "
                      "(loopback: the W ranks' GEMMs run concurrently "
                      "on the one GPU, as inside the tiers)",
         "worlds": worlds,

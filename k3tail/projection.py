@@ -8,9 +8,9 @@ one ``.to(dtype)``.  Both paths keep the same contract; they may differ in the f
 summation order (so by at most an ulp in rare ties), never in the rounding count.
 
 Tactics (dict, optional): ``triton_max_m`` (largest M that takes the Triton path; default 16),
-``block_n``, ``block_k``, ``num_warps``; ``epilogue`` for the large-M path: ``"torch"`` (default:
-four elementwise passes) or ``"triton"`` (``epilogue_kernel``, one pass, the same bits; not yet
-timed on a GPU, so not the default).  Note: the fp32-upcast fallback on CUDA honours
+``block_n``, ``block_k``, ``num_warps``; ``epilogue`` for the large-M path: ``"triton"`` (default:
+``epilogue_kernel``, one pass) or ``"torch"`` (four elementwise passes, the same bits; bitwise
+equal on the H200 and 20-25% slower there, bench/results/tier_map_nvidia_h200.json).  Note: the fp32-upcast fallback on CUDA honours
 ``torch.backends.cuda.matmul.allow_tf32``; keep it False (PyTorch's default) for the contract.
 """
 
@@ -89,7 +89,7 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
         _check_2d("prefix", prefix, shape=(M, N), dtypes=L.SUPPORTED_DTYPES, device=dev)
     if shared_sum is not None:
         _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=(torch.float32, *L.SUPPORTED_DTYPES), device=dev)
-    epilogue = tactics.get("epilogue", "torch")
+    epilogue = tactics.get("epilogue", "triton")
     if epilogue not in _EPILOGUES:
         raise ValueError(f"tactics['epilogue'] must be one of {list(_EPILOGUES)}, got {epilogue!r}")
     out_dtype = normed.dtype if out_dtype is None else out_dtype

@@ -197,7 +197,7 @@ class _Project:
     def resolved(self) -> dict:
         # project()'s own defaults on CUDA (k3tail/projection.py), filled in for the table
         t = {"block_n": 16 if self.n <= 4096 else 32, "block_k": 256, "num_warps": 4, "triton_max_m": 16,
-             "epilogue": "torch"}
+             "epilogue": "triton"}
         return {**t, **self.tactic}
 
     def __call__(self, *args, **kwargs):

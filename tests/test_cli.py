@@ -309,7 +309,7 @@ def test_bench_world_control_flow_with_fakes(monkeypatch, tmp_path):
     assert res["selected"]["eager"]["1"] == "FUSED_LANE_AR"
     assert sorted((b["name"], b["M"]) for b in res["baselines"]) == sorted(
         [(n, m) for n in ("cublas_projection", "k3tail_project") for m in (1, 16, 64)]
-        + [("k3tail_project_triton_epilogue", 64)])  # the large-M path only
+        + [("k3tail_project_torch_epilogue", 64)])  # the large-M path only
     sep = [p for p in res["points"] if p["tier"] == "SEPARATE_REDUCE"]
     assert all(p["speedup_vs_separate_reduce"] == 1.0 for p in sep)
     assert any(s["tier"] == "TAIL_FUSION" and s["M"] == 64 for s in res["skipped"])

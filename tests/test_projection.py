@@ -82,9 +82,9 @@ def test_gpu_project_k3(M, N):
     out = k3tail.project(a, w, prefix=p, shared_sum=s)
     st = T.check_ulp(out, R.project(a, w, p, s), max_ulp=1.0, frac=0.999, what=f"gpu project M={M} N={N}")
     print(f"gpu project M={M} N={N}: {st}")
-    if M > 16:  # the large-M path: the one-pass Triton epilogue must give the same bits
-        tri = k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"epilogue": "triton"})
-        assert torch.equal(tri.view(torch.int16), out.view(torch.int16)), f"M={M} N={N}"
+    if M > 16:  # the large-M path: the torch epilogue (4 passes) must give the default Triton one's bits
+        tch = k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"epilogue": "torch"})
+        assert torch.equal(tch.view(torch.int16), out.view(torch.int16)), f"M={M} N={N}"
 
 
 @pytest.mark.parametrize("M,N,dt,sdt,hp,hs,out_dt", [
@@ -101,8 +101,8 @@ def test_triton_epilogue_bitwise_equal_torch(M, N, dt, sdt, hp, hs, out_dt):
     a, w, p, s = _inputs(M, 2 * N, Lw, dt, M + N, hp, hs, sdt)
     cols = slice(N // 2, N // 2 + N)  # strided views: columns of [M, 2N]
     kw = dict(prefix=p[:, cols] if hp else None, shared_sum=s[:, cols] if hs else None, out_dtype=out_dt)
-    base = k3tail.project(a, w[cols], tactics={"triton_max_m": 0}, **kw)
-    tri = k3tail.project(torch.ones_like(a), w[cols], tactics={"triton_max_m": 0}, **kw)  # control: other inputs, other bits
+    base = k3tail.project(a, w[cols], tactics={"triton_max_m": 0, "epilogue": "torch"}, **kw)
+    tri = k3tail.project(torch.ones_like(a), w[cols], tactics={"triton_max_m": 0, "epilogue": "torch"}, **kw)  # control: other inputs, other bits
     assert not torch.equal(tri, base)
     tri = k3tail.project(a, w[cols], tactics={"triton_max_m": 0, "epilogue": "triton"}, **kw)
     assert tri.dtype == base.dtype
@@ -111,6 +111,22 @@ def test_triton_epilogue_bitwise_equal_torch(M, N, dt, sdt, hp, hs, out_dt):
     ref = R.project(a, w[cols], kw["prefix"], kw["shared_sum"])
     if out_dt is None:
         T.check_ulp(tri, ref, max_ulp=2.0, frac=1.0, what="triton epilogue")
+
+
+def test_triton_epilogue_is_the_default():
+    """The large-M path's default epilogue is the Triton one (timed faster on the H200)."""
+    from k3tail import projection as P
+    a, w, p, s = _inputs(20, 32, 64, torch.bfloat16, 12, True, True)
+    calls = []
+    real = P._epilogue_triton
+    P._epilogue_triton = lambda *x, **k: calls.append(1) or real(*x, **k)
+    try:
+        k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0})
+        assert calls == [1]
+        k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "torch"})
+        assert calls == [1]
+    finally:
+        P._epilogue_triton = real
 
 
 def test_epilogue_tactic_is_checked():
