@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device call: install offline, then the phases named on the
-# command line (default: tests).  Phases: tests, bench, tiermap, cli.  Logs and results go to $OUT.
+# command line (default: tests).  Phases: tests, bench, tiermap, tune, cli.  Logs and results go to $OUT.
 #   bash bench/gpu_check.sh tests
 #   bash bench/gpu_check.sh bench cli
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -19,6 +19,9 @@ for phase in $phases; do
     tiermap)
       # the tier map alone (default M grid 1..8192, W = 2, 4, 8), with the shipped tactic table
       echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench ${TIERMAP_ARGS:-} 2>&1 | tee -a "$OUT/cli.log" | grep -v "tactic table" | tail -40 ;;
+    tune)
+      # the tactic table (k3tail/tables/tactics.json) and the sweep report (bench/results/tune_*)
+      echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/cli.log" | tail -30 ;;
     cli)
       # tune first: the bench then runs with the tactics and crossovers it wrote
       echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20

@@ -28,6 +28,11 @@ are kept.  A loopback measurement shares one GPU among W ranks; entries say so
 The default run is sized to finish in about 4 minutes on an H200 (``--max-seconds``,
 default 200: when the budget runs out, the remaining candidates are skipped and said so;
 what was measured is still written).
+
+Besides the table, every run writes a sweep report to ``--out-dir`` (default
+``bench/results``): ``tune_<device>.json`` (every candidate's tactic and per-M medians, the
+default and the winner, the crossover points and thresholds, with device, commit, date and
+versions) and ``tune_<device>.png`` (``tune_plot``).  The table keeps only the winners.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -319,7 +325,14 @@ def sweep_kernel(spec: Spec, world, cfg, *, full: bool, timeout_s: float, budget
         return evaluate(spec, world, cfg, t, ms, tag=f"{spec.name}.{W}.{n[0]}", timeout_s=timeout_s,
                         budget_s=budget_s, seed=seed)
 
+    trials: List[Dict[str, Any]] = []  # every measured candidate, in order, for the sweep report
+
+    def note(res, changed=None):
+        trials.append({"changed": changed, "tactic": res["resolved"], "us": res["us"],
+                       "score": res["score"] if not res["error"] else None, "error": res["error"]})
+
     base = run({})
+    note(base)
     if base["error"]:
         say(f"{head} default tactic failed: {base['error']}; kernel not tuned")
         return None
@@ -339,6 +352,7 @@ def sweep_kernel(spec: Spec, world, cfg, *, full: bool, timeout_s: float, budget
                 continue
             tried.add(sig)
             res = run(cand)
+            note(res, key)
             mark = ""
             if res["error"]:
                 mark = f"skipped ({res['error'][:120]})"
@@ -352,7 +366,7 @@ def sweep_kernel(spec: Spec, world, cfg, *, full: bool, timeout_s: float, budget
     gain = base["score"] / best["score"] if best["score"] else 1.0
     say(f"{head} best {best['resolved']}: sum {best['score']:.1f} us ({gain:.2f}x vs default)")
     return {"tactic": best["resolved"], "us": best["score"], "per_m_us": best["us"], "default": base["resolved"],
-            "default_us": base["score"], "candidates": n[0], "skipped": skipped, "ms": list(ms)}
+            "default_us": base["score"], "candidates": n[0], "skipped": skipped, "ms": list(ms), "trials": trials}
 
 
 # ==================================================================== crossovers
@@ -436,6 +450,10 @@ def add_arguments(parser):
                         help="peer wait timeout of the ops built for tuning (default %(default)s)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="overall time budget (default 200, or none with --full; 0 = none)")
+    parser.add_argument("--out-dir", default="bench/results",
+                        help="where the sweep report (every candidate's timings, the crossover points) goes "
+                             "as tune_<device>.json + .png (default %(default)s); the table goes to --out")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
 def main(args) -> int:
@@ -472,11 +490,19 @@ def main(args) -> int:
         f"{'none' if budget.end is None else f'{max_s:.0f} s'}")
     info_common = {"loopback": True, "commit": meta["commit"], "date": meta["date"], "torch": meta["torch"]}
     n_written = 0
+    report = {**meta, "what": "k3tail tune sweep: every candidate tactic's graph-replay median per M (summed "
+                              "into its score; the lowest score wins with 1% hysteresis) and the crossover "
+                              "points, per loopback W", "table": str(out), "kernels": kernels,
+              "shape": spec_shape(cfg), "crossover_m": None if args.no_crossovers else xms, "worlds": [],
+              "figures": []}
+    name = f"tune_{B._slug(meta['device'])}"
     for wi, W in enumerate(args.world_sizes):
         if W < 2 or cfg.hidden % (8 * W):
             say(f"[tune W={W}] skipped: W must be >= 2 and hidden a multiple of 8*W")
             continue
         world = LoopbackWorld(W)
+        wrep: Dict[str, Any] = {"world_size": W, "kernels": {}, "crossovers": None}
+        report["worlds"].append(wrep)
         # share the time left evenly among the remaining W; 60% of a W's share for the sweeps
         share = budget.left() / (len(args.world_sizes) - wi)
         sweep_deadline = Budget(None if math.isinf(share) else max(1.0, 0.6 * share))
@@ -487,6 +513,8 @@ def main(args) -> int:
             r = sweep_kernel(spec, world, cfg, full=args.full, timeout_s=args.timeout_s, budget_s=args.budget_s,
                              seed=args.seed, deadline=kdl, say=say)
             if r is not None:
+                wrep["kernels"][spec.name] = {k: r[k] for k in ("tactic", "us", "default", "default_us", "skipped")}
+                wrep["kernels"][spec.name]["trials"] = r.pop("trials")
                 key = T.make_key(spec.name, world_size=W, shape=spec.shape(cfg), **fields)
                 table.put(key, r.pop("tactic"), us=r.pop("us"), info={**info_common, **r})
                 n_written += 1
@@ -497,6 +525,7 @@ def main(args) -> int:
             except Exception as e:  # noqa: BLE001
                 say(f"[tune W={W} crossovers] FAILED: {type(e).__name__}: {e}")
                 x = None
+            wrep["crossovers"] = x
             if x is not None and x["thresholds"]:
                 key = T.make_key(T.CROSSOVER_KERNEL, world_size=W, shape=spec_shape(cfg), **fields)
                 table.put(key, x["thresholds"], info={**info_common, "points": x["points"], "caps": x["caps"],
@@ -506,11 +535,85 @@ def main(args) -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         T.save_table(table, out)  # after every W: an interrupted run keeps what it measured
+        B.write_results(name, {**report, "seconds": budget.elapsed()}, args.out_dir)
         say(f"[tune W={W}] done at {budget.elapsed():.0f} s; table saved to {out}")
     table.meta = {**table.meta, "written_by": "k3tail tune", "date": meta["date"], "commit": meta["commit"]}
     T.save_table(table, out)
+    if not args.no_plot:
+        png = tune_plot(report, Path(args.out_dir) / f"{name}.png",
+                        title=f"k3tail tune: {meta['device']}, {report['shape']}, loopback")
+        if png:
+            report["figures"].append(png.name)
+            say(f"wrote {png}")
+    path = B.write_results(name, {**report, "seconds": budget.elapsed()}, args.out_dir)
+    say(f"wrote {path}")
     say(f"k3tail tune: wrote {n_written} entries ({len(table)} in the table) to {out} in {budget.elapsed():.0f} s")
     return 0
+
+
+def tune_plot(report: Dict[str, Any], path, *, title: str = "") -> Optional[Path]:
+    """The sweep report as a grid: a row per W; a panel per kernel with every candidate's score
+    (sum of medians over its M set) in the order measured, the default and the winner marked, a
+    failed candidate as an x on the axis floor; a last panel with the crossover timings per tier
+    against M and the thresholds written as dashed lines.  None when there is nothing to draw."""
+    worlds = [w for w in report.get("worlds", []) if w.get("kernels") or w.get("crossovers")]
+    if not worlds:
+        return None
+    plt = B._pyplot()
+    if plt is None:
+        return None
+    kernels = sorted({k for w in worlds for k in w.get("kernels", {})})
+    cols = len(kernels) + (1 if any(w.get("crossovers") for w in worlds) else 0)
+    fig, axes = plt.subplots(len(worlds), cols, figsize=(4.2 * cols, 3.2 * len(worlds)), squeeze=False)
+    for row, w in enumerate(worlds):
+        W = w["world_size"]
+        for col, kname in enumerate(kernels):
+            ax = axes[row][col]
+            k = w.get("kernels", {}).get(kname)
+            ax.set_title(f"W={W} {kname}", fontsize=9)
+            if not k:
+                ax.text(0.5, 0.5, "not tuned", ha="center", va="center", transform=ax.transAxes)
+                continue
+            ok = [(i, t["score"]) for i, t in enumerate(k["trials"]) if t["score"] is not None]
+            bad = [i for i, t in enumerate(k["trials"]) if t["score"] is None]
+            ax.plot([i for i, _ in ok], [v for _, v in ok], "o", ms=4, color="tab:blue", label="candidate")
+            if ok and ok[0][0] == 0:
+                ax.plot([0], [ok[0][1]], "s", ms=7, mfc="none", color="black", label="default")
+            best = [(i, t["score"]) for i, t in enumerate(k["trials"]) if t["tactic"] == k["tactic"]
+                    and t["score"] is not None]
+            if best:
+                ax.plot([best[-1][0]], [best[-1][1]], "*", ms=12, color="tab:red",
+                        label=f"chosen ({k['default_us'] / k['us']:.2f}x)" if k.get("us") else "chosen")
+            if bad:
+                lo = min((v for _, v in ok), default=1.0)
+                ax.plot(bad, [lo * 0.9] * len(bad), "x", color="tab:gray", label="failed / rejected")
+            ax.set(xlabel="candidate (order measured)", ylabel="sum of medians (us)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        if cols > len(kernels):
+            ax = axes[row][-1]
+            x = w.get("crossovers") or {}
+            ax.set_title(f"W={W} tier crossovers (graph)", fontsize=9)
+            pts = x.get("points", [])
+            for tier in sorted({p["tier"] for p in pts}):
+                tp = sorted((p["M"], p["median_us"]) for p in pts if p["tier"] == tier and p.get("median_us"))
+                if tp:
+                    ax.plot([m for m, _ in tp], [t for _, t in tp], marker="o", ms=3, label=tier,
+                            color=B.TIER_COLORS.get(tier))
+            for name, m in (x.get("thresholds") or {}).items():
+                if m:
+                    ax.axvline(m, ls="--", lw=1, color="black")
+                    ax.text(m, 0.98, f" {name}={m}", rotation=90, va="top", fontsize=6,
+                            transform=ax.get_xaxis_transform())
+            if pts:
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.legend(fontsize=7)
+            ax.set(xlabel="tokens M", ylabel="us per layer (median)")
+            ax.grid(True, which="both", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return B._save_figure(plt, fig, path, dpi=110)
 
 
 def spec_shape(cfg) -> str:

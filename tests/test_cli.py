@@ -370,6 +370,12 @@ def test_tune_coordinate_descent_with_fakes(monkeypatch):
     assert r["us"] == pytest.approx(2 * 10.5) and r["default_us"] == pytest.approx(2 * 28.35)
     assert any("a=99: skipped (rejected" in s for s in lines)
     assert r["candidates"] == 5 and r["skipped"] == 0
+    # the sweep report keeps every candidate in order: the default first, the rejected one with its error
+    tr = r["trials"]
+    assert len(tr) == 5 and tr[0]["changed"] is None and tr[0]["tactic"] == {"a": 1, "b": 20}
+    assert tr[0]["score"] == pytest.approx(2 * 28.35)
+    assert [t["score"] is None for t in tr].count(True) == 1 and "rejected" in next(t["error"] for t in tr if t["error"])
+    assert min(t["score"] for t in tr if t["score"] is not None) == pytest.approx(r["us"])
     # an exhausted budget measures the default only and says so
     lines.clear()
     r = TU.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
@@ -400,7 +406,9 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
     monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
 
     def fake_cross(world, cfg_kwargs, ms, **kw):
-        return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}, "points": [],
+        pts = [{"tier": t, "M": m, "median_us": c * m, "p99_us": c * m} for t, c in
+               (("TAIL_FUSION", 1.0), ("FUSED_LANE_AR", 2.0)) for m in (1, 8, 64)]
+        return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}, "points": pts,
                 "caps": {"tail_fusion_max_tokens": 16}}
     monkeypatch.setattr(TU, "tune_crossovers", fake_cross)
     out = tmp_path / "table.json"
@@ -408,7 +416,8 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
     keep = T.make_key("Other", world_size=2, shape="x", **fields)
     old.put(keep, {"z": 1})
     T.save_table(old, out)
-    rc, text = inproc(capsys, "tune", "--kernels", "Fake", "--world-sizes", "2,3,4", "--out", str(out))
+    rc, text = inproc(capsys, "tune", "--kernels", "Fake", "--world-sizes", "2,3,4", "--out", str(out),
+                      "--out-dir", str(tmp_path / "res"))
     print(text)
     assert rc == 0, text
     tab = T.load_table(out)
@@ -422,6 +431,27 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
                                                                             "lane_max_tokens": 64}
     assert "W=3] skipped" in text  # 7168 is not a multiple of 8*3
     assert "[tune W=2 Fake] default" in text and "table saved" in text
+    # the sweep report: every candidate per W, the crossover points, the meta of the run
+    rep = json.loads((tmp_path / "res" / "tune_fake_gpu.json").read_text())
+    assert rep["commit"] == "abc" and rep["device"] == "Fake GPU" and rep["table"] == str(out)
+    assert [w["world_size"] for w in rep["worlds"]] == [2, 4]
+    for w in rep["worlds"]:
+        k = w["kernels"]["Fake"]
+        assert k["tactic"] == {"a": 1, "b": 20} and len(k["trials"]) == 5
+        assert len(w["crossovers"]["points"]) == 6
+    assert "trials" not in json.dumps(tab.get(T.make_key("Fake", world_size=2, shape=shape, **fields)))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert rep["figures"] == []
+    else:
+        assert rep["figures"] == ["tune_fake_gpu.png"] and (tmp_path / "res" / "tune_fake_gpu.png").stat().st_size > 1000
+
+
+def test_tune_plot_without_worlds_draws_nothing(tmp_path):
+    assert TU.tune_plot({"worlds": []}, tmp_path / "x.png") is None
+    assert TU.tune_plot({"worlds": [{"world_size": 2, "kernels": {}, "crossovers": None}]}, tmp_path / "x.png") is None
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_bench_world_deadline_skips_points(monkeypatch):
