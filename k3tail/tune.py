@@ -9,8 +9,8 @@ shape given (default K3: H 7168, L 3584, top-k 16, bf16):
    (score = sum of the median per-call times), the best kept before the next key.  A
    candidate the op rejects (ValueError) or that fails/times out is skipped and reported.
    ``--full`` widens the value lists and the M sets.
-2. **Crossovers.**  A ``K3MoETail`` is built with generous capacities and every possible
-   tier is timed (graph replay, forced ``tier=``) on a grid of M; the table records where
+2. **Crossovers.**  A ``K3MoETail`` is built with generous capacities and the tactics of
+   step 1 (earlier thresholds ignored), and every possible tier is timed (graph replay, forced ``tier=``) on a grid of M; the table records where
    the selector's thresholds should sit: ``tail_fusion_max_tokens`` (largest M up to which
    TAIL_FUSION beats the tier the selector would otherwise take, at every measured M) and
    ``lane_max_tokens`` (largest M up to which the Lamport lane collective beats the fp32
@@ -410,14 +410,19 @@ def crossover_thresholds(points: List[Dict[str, Any]], caps_alloc: Dict[str, Any
 
 
 def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, timeout_s: float, budget_s: float,
-                    seed: int, say: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-    """Time every possible tier at each M (graph phase) and derive the selector thresholds."""
+                    seed: int, say: Callable[[str], None],
+                    tactics_table: Optional[T.TacticTable] = None) -> Optional[Dict[str, Any]]:
+    """Time every possible tier at each M (graph phase) and derive the selector thresholds.
+    ``tactics_table``: the kernels' tactics to time the tiers with (the ones just tuned); its
+    crossover entries are ignored, so that earlier thresholds cannot hide a tier."""
     from .module import TailConfig
 
     W = world.world_size
     cfg = TailConfig(**{**cfg_kwargs, "max_tokens": max(ms)})
     rig = B._Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}", world=world,
-                 module_kwargs={"lane_max_tokens": max(ms), "tactics_table": T.TacticTable(),
+                 module_kwargs={"lane_max_tokens": max(ms), "tactics_table": T.TacticTable(
+                     entries={k: v for k, v in (tactics_table.entries if tactics_table else {}).items()
+                              if k.kernel != T.CROSSOVER_KERNEL}),
                                 "timeout_s": timeout_s})
     caps_alloc = dict(B._caps_dict(getattr(rig.mods[0], "_alloc_caps", rig.caps)))
     say(f"[tune W={W} crossovers] caps {caps_alloc}; timing tiers at M={list(ms)}")
@@ -521,7 +526,7 @@ def main(args) -> int:
         if not args.no_crossovers:
             try:
                 x = tune_crossovers(world, cfg_kwargs, xms, timeout_s=args.timeout_s, budget_s=args.budget_s,
-                                    seed=args.seed, say=say)
+                                    seed=args.seed, say=say, tactics_table=table)
             except Exception as e:  # noqa: BLE001
                 say(f"[tune W={W} crossovers] FAILED: {type(e).__name__}: {e}")
                 x = None

@@ -406,6 +406,9 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
     monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
 
     def fake_cross(world, cfg_kwargs, ms, **kw):
+        # the tiers are timed with the tactics just tuned for this W
+        assert T.make_key("Fake", world_size=world.world_size, shape="H=7168,K=16,L=3584,dtype=bf16",
+                          **fields) in kw["tactics_table"]
         pts = [{"tier": t, "M": m, "median_us": c * m, "p99_us": c * m} for t, c in
                (("TAIL_FUSION", 1.0), ("FUSED_LANE_AR", 2.0)) for m in (1, 8, 64)]
         return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}, "points": pts,
