@@ -24,7 +24,6 @@ from . import _launch as L
 from .triton_kernels.projection import epilogue_kernel, projection_kernel
 from .workspace import interpret_mode
 
-_TACTIC_KEYS = {"triton_max_m", "block_n", "block_k", "num_warps", "epilogue"}
 _EPILOGUES = ("torch", "triton")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -39,6 +38,15 @@ def _check_2d(name, t, *, shape, dtypes, device):
     if t.dim() != 2 or tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
+
+def default_tactics(n: int, *, interpret: bool) -> dict:
+    """``project``'s tactic defaults for an output width ``n`` (the interpreter gets larger
+    blocks: fewer programs to emulate); ``k3tail tune`` records them as the sweep's start."""
+    return {"triton_max_m": 16, "block_n": 32 if interpret else (16 if n <= 4096 else 32),
+            "block_k": 512 if interpret else 256, "num_warps": 4, "epilogue": "triton"}
+
+
+_TACTIC_KEYS = frozenset(default_tactics(0, interpret=False))
 
 _MM_OUT_DTYPE_OK: dict = {}  # device type -> does torch.mm(..., out_dtype=torch.float32) work here?
 
@@ -89,7 +97,8 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
         _check_2d("prefix", prefix, shape=(M, N), dtypes=L.SUPPORTED_DTYPES, device=dev)
     if shared_sum is not None:
         _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=(torch.float32, *L.SUPPORTED_DTYPES), device=dev)
-    epilogue = tactics.get("epilogue", "triton")
+    tactics = {**default_tactics(N, interpret=interpret_mode()), **tactics}
+    epilogue = tactics["epilogue"]
     if epilogue not in _EPILOGUES:
         raise ValueError(f"tactics['epilogue'] must be one of {list(_EPILOGUES)}, got {epilogue!r}")
     out_dtype = normed.dtype if out_dtype is None else out_dtype
@@ -101,9 +110,8 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
     if K == 0:
         acc = torch.zeros(M, N, dtype=torch.float32, device=dev)
         return _epilogue(acc, prefix, shared_sum, out)
-    if M <= int(tactics.get("triton_max_m", 16)):
-        bn = int(tactics.get("block_n", 32 if interpret_mode() else (16 if N <= 4096 else 32)))
-        bk = int(tactics.get("block_k", 512 if interpret_mode() else 256))
+    if M <= int(tactics["triton_max_m"]):
+        bn, bk = int(tactics["block_n"]), int(tactics["block_k"])
         bm = 16
         grid = (triton_cdiv(N, bn), triton_cdiv(M, bm))
         pz = prefix if prefix is not None else out
@@ -112,7 +120,7 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
                  normed.stride(0), normed.stride(1), up_weight.stride(0), up_weight.stride(1),
                  pz.stride(0), pz.stride(1), sz.stride(0), sz.stride(1), out.stride(0), out.stride(1),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_PREFIX=prefix is not None,
-                 HAS_SHSUM=shared_sum is not None, num_warps=int(tactics.get("num_warps", 4)))
+                 HAS_SHSUM=shared_sum is not None, num_warps=int(tactics["num_warps"]))
         return out
     acc = _mm_f32(normed, up_weight)
     if epilogue == "triton":

@@ -201,10 +201,9 @@ class _Project:
         self.tactic, self.n = tactic, n
 
     def resolved(self) -> dict:
-        # project()'s own defaults on CUDA (k3tail/projection.py), filled in for the table
-        t = {"block_n": 16 if self.n <= 4096 else 32, "block_k": 256, "num_warps": 4, "triton_max_m": 16,
-             "epilogue": "triton"}
-        return {**t, **self.tactic}
+        from .projection import default_tactics
+
+        return {**default_tactics(self.n, interpret=False), **self.tactic}  # project()'s CUDA defaults, filled in
 
     def __call__(self, *args, **kwargs):
         from .projection import project
@@ -419,10 +418,10 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
 
     W = world.world_size
     cfg = TailConfig(**{**cfg_kwargs, "max_tokens": max(ms)})
+    kernel_tactics = T.TacticTable(entries={k: v for k, v in (tactics_table.entries if tactics_table else {}).items()
+                                            if k.kernel != T.CROSSOVER_KERNEL})
     rig = B._Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}", world=world,
-                 module_kwargs={"lane_max_tokens": max(ms), "tactics_table": T.TacticTable(
-                     entries={k: v for k, v in (tactics_table.entries if tactics_table else {}).items()
-                              if k.kernel != T.CROSSOVER_KERNEL}),
+                 module_kwargs={"lane_max_tokens": max(ms), "tactics_table": kernel_tactics,
                                 "timeout_s": timeout_s})
     caps_alloc = dict(B._caps_dict(getattr(rig.mods[0], "_alloc_caps", rig.caps)))
     say(f"[tune W={W} crossovers] caps {caps_alloc}; timing tiers at M={list(ms)}")

@@ -113,20 +113,17 @@ def test_triton_epilogue_bitwise_equal_torch(M, N, dt, sdt, hp, hs, out_dt):
         T.check_ulp(tri, ref, max_ulp=2.0, frac=1.0, what="triton epilogue")
 
 
-def test_triton_epilogue_is_the_default():
+def test_triton_epilogue_is_the_default(monkeypatch):
     """The large-M path's default epilogue is the Triton one (timed faster on the H200)."""
     from k3tail import projection as P
     a, w, p, s = _inputs(20, 32, 64, torch.bfloat16, 12, True, True)
     calls = []
     real = P._epilogue_triton
-    P._epilogue_triton = lambda *x, **k: calls.append(1) or real(*x, **k)
-    try:
-        k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0})
-        assert calls == [1]
-        k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "torch"})
-        assert calls == [1]
-    finally:
-        P._epilogue_triton = real
+    monkeypatch.setattr(P, "_epilogue_triton", lambda *x, **k: calls.append(1) or real(*x, **k))
+    k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0})
+    assert calls == [1]
+    k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "torch"})
+    assert calls == [1]
 
 
 def test_epilogue_tactic_is_checked():
