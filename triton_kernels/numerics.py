@@ -59,7 +59,11 @@ def finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH: tl.constexpr, TOP
     for k in tl.static_range(TOP_K):  # unrolled: every row load is in flight at once
         e = tl.load(idx_ptr + t64 * TOP_K + k).to(tl.int64)
         hi, lo = split12(tl.load(w_ptr + t64 * TOP_K + k).to(tl.float32))
-        row = tl.load(eo_ptr + e * WIDTH + col, mask=cmask & (e >= 0), other=0.0).to(tl.float32)
+        # the predicate is formed on a block, not as a scalar ANDed into cmask: the interpreter
+        # splats a scalar comparison with its operand's dtype (int64 here), the AND then yields
+        # an int mask, and Triton >= 3.9's interpreter rejects integer masks in tl.load
+        live = tl.broadcast_to(e, col.shape) >= 0
+        row = tl.load(eo_ptr + e * WIDTH + col, mask=cmask & live, other=0.0).to(tl.float32)
         acc = tl.where(e >= 0, (acc + hi * row) + lo * row, acc)
     return acc
 

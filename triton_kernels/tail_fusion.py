@@ -330,7 +330,8 @@ def tail_b_kernel(
 def _gemv_a_row(normed_ptr, m: tl.constexpr, M, offs_k, kmask, LATENT: tl.constexpr, M_P2: tl.constexpr):
     """Row m of the A operand (``normed``), zeros past the M_P2 rows the kernel computes."""
     if m < M_P2:
-        a = tl.load(normed_ptr + m * LATENT + offs_k, mask=kmask & (m < M), other=0.0)
+        # block predicate, not a scalar one ANDed in (integer masks under the interpreter: numerics.finalize32)
+        a = tl.load(normed_ptr + m * LATENT + offs_k, mask=kmask & (tl.broadcast_to(M, offs_k.shape) > m), other=0.0)
     else:
         a = tl.zeros(offs_k.shape, normed_ptr.dtype.element_ty)
     return a
