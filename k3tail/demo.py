@@ -35,6 +35,9 @@ def add_arguments(parser):
                         help="cpu: one process per rank (interpreter); cuda: loopback on one GPU")
     parser.add_argument("--small", action="store_true", help="small shape (H 512, L 256, top-k 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run for CI and smoke checks: small shape, W=2, M = 1, 16, 80 "
+                             "(overrides --small, --world-size and --tokens; the full run is the default)")
 
 
 def _inputs(shape, M, W, rank, seed, device):
@@ -122,6 +125,8 @@ def _cuda_main(W, shape, tokens, seed):
 
 
 def main(args) -> int:
+    if args.quick:
+        args.small, args.world_size, args.tokens = True, 2, [1, 16, 80]
     shape = SMALL if args.small else K3
     W, tokens = args.world_size, args.tokens
     print(f"k3tail demo: the MoE tail, W={W} on {args.device}{' (loopback)' if args.device == 'cuda' else ''}, "

@@ -120,14 +120,29 @@ for rec in json.load(sys.stdin):
 '''
 
 
+def _package_kernels() -> set:
+    """Names of every Triton kernel (``*_kernel``) defined in ``k3tail.triton_kernels``."""
+    import importlib
+    import pkgutil
+
+    import k3tail.triton_kernels as tk
+
+    names = set()
+    for m in pkgutil.iter_modules(tk.__path__):
+        mod = importlib.import_module(f"{tk.__name__}.{m.name}")
+        names |= {n for n, v in vars(mod).items() if n.endswith("_kernel") and hasattr(v, "arg_names")
+                  and getattr(getattr(v, "fn", None), "__module__", None) == mod.__name__}
+    return names
+
+
 def test_every_launched_variant_compiles_for_sm90(monkeypatch):
     monkeypatch.setattr(L, "launch", _record)
     _RECORDS.clear()
     _drive_w1()
     records = list(_RECORDS) + [r for rank_recs in k3tail.spawn(2, _rank_records) for r in rank_recs]
     names = {r["name"] for r in records}
-    assert {"finalize_ar_norm_kernel", "projection_kernel", "epilogue_kernel", "tail_a_kernel", "tail_b_kernel", "tail_b_gemv_kernel",
-            "tail_c_kernel", "oneshot_allreduce_kernel"} <= names, names
+    # every kernel of the package runs here (CI's smoke pass relies on it), and compiles below
+    assert names == _package_kernels(), f"not driven: {_package_kernels() - names}"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(records), capture_output=True,
                        text=True, env=env, timeout=900)
