@@ -456,18 +456,26 @@ def up_rows(cfg, W: int) -> int:
 
 def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]], phases: Sequence[str],
                 deferred: bool, budget_s: float, max_calls: int, seed: int = 0, baselines: bool = True,
-                deadline: Optional[float] = None,
+                deadline: Optional[float] = None, baseline_rig: Optional["_Rig"] = None,
                 progress: Callable[[str], None] = print) -> Dict[str, Any]:
     """Time every possible tier (and the cuBLAS projection) at every M for one W.
 
     ``deadline`` (a ``time.perf_counter()`` value): points not started by then are recorded
-    as skipped (the decision is rank 0's under torchrun, so every rank skips the same)."""
+    as skipped (the decision is rank 0's under torchrun, so every rank skips the same).
+    ``baseline_rig``: the same ranks built with ``large_m="allreduce"`` (the large-M path before
+    the sharded one); above the lane capacity its FUSED_LANE_AR is timed as the baseline
+    ``lane_large_m_allreduce`` in the same run.  Every point carries the bytes one rank moves
+    per layer (:mod:`k3tail.traffic`)."""
 
     def out_of_time() -> bool:
         return deadline is not None and bool(_rank_uniform_int(int(time.perf_counter() > deadline)))
 
+    from . import traffic
+
     Tier = _tier_enum()
     cfg, W = rig.cfg, rig.W
+    world_kind = "loopback" if getattr(rig, "world", None) is not None else "group"
+    elt = torch.empty((), dtype=cfg.dtype).element_size()
     ranges = tier_ranges(rig.caps, cfg)
     if tiers:
         ranges = {t: r for t, r in ranges.items() if t in tiers}
@@ -518,6 +526,25 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                 points.append({"tier": tname, "M": M, "phase": phase, **res})
                 progress(f"  W={W} M={M:>5} {tname:<16} {phase:<5} median {res['median_us']:9.2f} us  "
                          f"p99 {res['p99_us']:9.2f} us  ({res['replays']} x {res['calls']} calls)")
+        lane_cap = rig.caps.lane_max_tokens if rig.caps.fused_ar else 0
+        if baseline_rig is not None and M > lane_cap and "FUSED_LANE_AR" in ranges and not out_of_time():
+            for phase in phases:
+                def old(i, graph_phase=phase == "graph", warm=True):
+                    return baseline_rig.run(lambda k: baseline_rig.mods[k](
+                        **inputs[k], norm_weight=weights[k][0], up_weight=weights[k][1][i % len(weights[k][1])],
+                        graph_phase=graph_phase, tier=Tier.FUSED_LANE_AR), warm=warm)
+                try:
+                    res = (time_graph(old, max_calls=max_calls, budget_s=budget_s) if phase == "graph" else
+                           time_eager(lambda i: old(i, warm=False), warm_step=old, budget_s=budget_s))
+                except Exception as e:  # noqa: BLE001 - recorded like a broken tier
+                    skipped.append({"tier": "lane_large_m_allreduce", "M": M, "phase": phase,
+                                    "why": f"{type(e).__name__}: {e}"})
+                    continue
+                b, f = traffic.bytes_per_rank("allreduce", M=M, W=W, L=cfg.latent, H=cfg.hidden, e=elt,
+                                              world=world_kind, gather_output=cfg.shard_up_proj)
+                base_pts.append({"name": "lane_large_m_allreduce", "M": M, "phase": phase, **res,
+                                 "bytes_per_rank": b, "bytes_formula": f})
+                progress(f"  W={W} M={M:>5} {'old large-M':<16} {phase:<5} median {res['median_us']:9.2f} us")
         if not baselines or out_of_time():
             inputs = None  # release this M's tensors before the next M allocates its own
             continue
@@ -554,6 +581,14 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             except Exception as e:
                 skipped.append({"tier": name, "M": M, "why": f"{type(e).__name__}: {e}"})
         inputs = normed = pre = shs = None  # release this M's tensors before the next M
+    # bytes one rank moves per layer: the tier's algorithm (above the lane capacity, the large-M path)
+    large_m = getattr(rig.mods[0], "large_m", "sharded")
+    lane_cap = rig.caps.lane_max_tokens if rig.caps.fused_ar else 0
+    for p in points:
+        kind = large_m if p["tier"] == "FUSED_LANE_AR" and p["M"] > lane_cap else p["tier"]
+        p["bytes_per_rank"], p["bytes_formula"] = traffic.bytes_per_rank(
+            kind, M=p["M"], W=W, L=cfg.latent, H=cfg.hidden, e=elt, world=world_kind,
+            gather_output=cfg.shard_up_proj)
     # ratios against SEPARATE_REDUCE at the same (M, phase)
     ref = {(p["M"], p["phase"]): p["median_us"] for p in points if p["tier"] == "SEPARATE_REDUCE"}
     for p in points:
@@ -566,7 +601,9 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             check()
     return {"world_size": W, "caps": _caps_dict(rig.caps), "tier_ranges": ranges, "points": points,
             "baselines": base_pts, "selected": selected, "skipped": skipped,
-            "up_weight_rows_per_rank": rows}
+            "up_weight_rows_per_rank": rows,
+            "large_m_bytes": {str(M): traffic.table(M=M, W=W, L=cfg.latent, H=cfg.hidden, e=elt)
+                              for M in ms if M > lane_cap}}
 
 
 def _caps_dict(caps) -> Dict[str, Any]:
@@ -631,6 +668,9 @@ def add_arguments(parser):
     parser.add_argument("--out-dir", default="bench/results", help="where JSON and PNG go (default %(default)s)")
     parser.add_argument("--name", default=None, help="results file stem (default tier_map_<device>)")
     parser.add_argument("--no-plot", action="store_true", help="JSON only")
+    parser.add_argument("--no-large-m-baseline", dest="large_m_baseline", action="store_false",
+                        help="skip timing the large-M path before the sharded one (large_m='allreduce') "
+                             "above the lane capacity")
     parser.add_argument("--lane-max-tokens", type=int, default=None,
                         help="lane collective capacity of the K3MoETail built (default: the module's)")
     parser.add_argument("--timeout-s", type=float, default=20.0, help="peer wait timeout (default %(default)s)")
@@ -682,15 +722,23 @@ def main(args) -> int:
             rig = _Rig(W, cfg, multiproc=multiproc, module_kwargs=kw)
             say(f"W={W}: built in {time.perf_counter() - t0:.1f} s; caps {rig.caps}; "
                 f"tiers {list(tier_ranges(rig.caps, cfg))}")
+            old = None
+            lane_cap = rig.caps.lane_max_tokens if rig.caps.fused_ar else 0
+            if (args.large_m_baseline and rig.caps.fused_ar and any(M > lane_cap for M in ms)
+                    and (not args.tiers or "FUSED_LANE_AR" in args.tiers)):
+                old = _Rig(W, cfg, multiproc=multiproc, prefix="layers.0.baseline",
+                           module_kwargs={**kw, "large_m": "allreduce"})
             try:
                 wres = bench_world(rig, ms, tiers=args.tiers, phases=args.phases, deferred=not args.routed,
                                    budget_s=args.budget_s, max_calls=max(1, args.max_calls), seed=args.seed,
-                                   deadline=deadline, progress=say)
+                                   deadline=deadline, baseline_rig=old, progress=say)
             finally:
-                try:
-                    rig.close()
-                except Exception:  # noqa: BLE001 - a broken CUDA context: keep the first error
-                    pass
+                for r in (rig, old):
+                    try:
+                        if r is not None:
+                            r.close()
+                    except Exception:  # noqa: BLE001 - a broken CUDA context: keep the first error
+                        pass
         except Exception as e:  # noqa: BLE001 - reported, written to the JSON, exit status 1
             error = {"world_size": W, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
             logging.getLogger("k3tail").error("k3tail bench: W=%d failed, results of the worlds before it are "
@@ -724,7 +772,13 @@ def main(args) -> int:
                      "for M > 16 k3tail_project_torch_epilogue the same with the four-pass torch epilogue "
                      "(tactic epilogue='torch', same bits) "
                      "(loopback: the W ranks' GEMMs run concurrently "
-                     "on the one GPU, as inside the tiers)",
+                     "on the one GPU, as inside the tiers); lane_large_m_allreduce times FUSED_LANE_AR above the "
+                     "lane capacity with the large-M path before the sharded one (large_m='allreduce': fp64 lane "
+                     "all-reduce on process groups, fp32 one-shot in loopback)",
+        "bytes": "bytes_per_rank: what one rank sends per layer in the point's algorithm (k3tail.traffic; "
+                 "bytes_formula beside it, W ranks, M tokens, L latent, H hidden, e bytes of the 16-bit dtype); "
+                 "large_m_bytes per world: the sharded path, the allreduce path and the seed's bf16 lane "
+                 "all-reduce at each M above the lane capacity (process-group formulas)",
         "worlds": worlds,
         "incomplete": error,
         "figures": [],
