@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device call: install offline, then the phases named on the
-# command line (default: tests).  Phases: tests, bench, tiermap, tune, cli.  Logs and results go to $OUT.
+# command line (default: tests).  Phases: tests, bench, prefill, tiermap, tune, cli.  Logs and results go to $OUT.
 #   bash bench/gpu_check.sh tests
 #   bash bench/gpu_check.sh bench cli
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -16,6 +16,9 @@ for phase in $phases; do
       for b in ${BENCHES:-bench_allreduce bench_finalize bench_tail}; do
         echo "== $b"; timeout ${BENCH_TIMEOUT:-200} python3 bench/$b.py --out bench/results 2>&1 | tee -a "$OUT/bench.log" | tail -25
       done ;;
+    prefill)
+      # issue 14's targets: Triton finalize, K3MoETail W=1, eager host time, loopback sharded vs allreduce
+      echo "== bench_prefill"; timeout ${PREFILL_TIMEOUT:-300} python3 bench/bench_prefill.py --out bench/results ${PREFILL_ARGS:-} 2>&1 | tee -a "$OUT/prefill.log" | tail -30 ;;
     tiermap)
       # the tier map alone (default M grid 1..8192, W = 2, 4, 8), with the shipped tactic table
       echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench ${TIERMAP_ARGS:-} 2>&1 | tee -a "$OUT/cli.log" | grep -v "tactic table" | tail -40 ;;
