@@ -15,7 +15,8 @@ import sys
 from .testing import no_multicast
 
 SUBCOMMANDS = {
-    "demo": ("demo", "run the tail on CPU ranks (or loopback on one GPU) against the fp64 reference"),
+    "demo": ("demo", "run the tail on CPU ranks, or on the GPU (loopback; --processes: rank processes) "
+                     "against the fp64 reference"),
     "doctor": ("doctor", "show the local probes and why each tier is or is not possible here"),
     "bench": ("bench", "time every possible tier against M and W (GPU; CUDA-graph replay)"),
     "tune": ("tune", "sweep kernel tactics and tier crossovers; write the tactic table"),

@@ -11,10 +11,16 @@ CPU: ``--world-size`` processes (gloo + Triton interpreter over shared memory) r
 multi-rank Lamport protocols; the interpreter is slow, so the non-TAIL tiers use the
 projection's fp32-output matmul path there (same rounding contract) instead of its Triton GEMM.
 ``--device cuda``: the same ranks as virtual ranks in one process on one GPU (loopback).
+``--device cuda --processes``: the same ranks as real processes on the local GPU(s), the way a
+serving engine runs them (:func:`k3tail.spawn`): one GPU -> all W processes share it (a gloo
+group, torch symmetric memory with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``); W or more
+GPUs -> one process per GPU with NCCL.  Processes sharing a GPU time-share it, so the wall times
+of that mode say nothing about NVLink latency.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -33,6 +39,10 @@ def add_arguments(parser):
                         help="token counts to run (default 1 4 16 64)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: one process per rank (interpreter); cuda: loopback on one GPU")
+    parser.add_argument("--processes", action="store_true",
+                        help="with --device cuda: one real process per rank on the local GPU(s) instead of "
+                             "loopback (one GPU: W processes share it, gloo + overlapping symmetric memory; "
+                             "W GPUs: one process per GPU, NCCL)")
     parser.add_argument("--small", action="store_true", help="small shape (H 512, L 256, top-k 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
@@ -61,25 +71,33 @@ def _run_tiers(mod, call):
     return res
 
 
-def _rank_main(rank, W, shape, tokens, seed):
-    """Body of one CPU rank: every possible tier at every M, plus the selector's choices."""
+def _rank_main(rank, W, shape, tokens, seed, device="cpu"):
+    """Body of one rank process (CPU: interpreter; cuda: this process's GPU): every possible
+    tier at every M, plus the selector's choices."""
     from .module import K3MoETail, TailConfig
 
     from .finalize import FinalizeAllReduceRMSNorm
 
-    mod = K3MoETail(TailConfig(max_tokens=max(tokens), **shape), prefix="demo.layers.0", tactics=CPU_TACTICS)
-    fused = FinalizeAllReduceRMSNorm(width=shape["latent"], max_tokens=max(tokens), top_k=shape["top_k"], eps=1e-5)
+    cfg = TailConfig(max_tokens=max(tokens), **shape)
+    if device == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        mod = K3MoETail(cfg, prefix="demo.layers.0", device=dev, timeout_s=60.0)
+    else:
+        dev = torch.device("cpu")
+        mod = K3MoETail(cfg, prefix="demo.layers.0", tactics=CPU_TACTICS)
+    fused = FinalizeAllReduceRMSNorm(width=shape["latent"], max_tokens=max(tokens), top_k=shape["top_k"], eps=1e-5,
+                                     **(dict(device=dev) if device == "cuda" else {}))
     out = {}
     for M in tokens:
-        ins = _inputs(shape, M, W, rank, seed, "cpu")
+        ins = _inputs(shape, M, W, rank, seed, dev)
 
         def call(tier, ins=ins):
-            return mod(**ins, tier=tier)
+            return mod(**ins, tier=tier).cpu()  # .cpu(): the wall time includes the device work
 
         call.M = M
         results = {k: (v[0], v[1]) for k, v in _run_tiers(mod, call).items()}
         t0 = time.perf_counter()
-        results[FUSED_OP] = (_fused_op(fused, ins), time.perf_counter() - t0)
+        results[FUSED_OP] = (_fused_op(fused, ins).cpu(), time.perf_counter() - t0)
         out[M] = (results, mod.tier_for(M, False).name, mod.tier_for(M, True).name)
     return out
 
@@ -124,18 +142,46 @@ def _cuda_main(W, shape, tokens, seed):
     return per_rank
 
 
+NO_CUDA_MSG = ("k3tail demo --device cuda: needs a CUDA GPU; no CUDA device is visible here. "
+               "Run `k3tail demo` (CPU rank processes, kernels in Triton's interpreter) instead.")
+
+
+def _mode(args) -> str:
+    """How the ranks run, for the header line."""
+    if args.device == "cpu":
+        return "CPU rank processes"
+    if not args.processes:
+        return "loopback on one GPU"
+    from .spawn import spawn_plan
+
+    plan = spawn_plan(args.world_size, "cuda")
+    if plan.mode == "per_gpu":
+        return "rank processes, one per GPU, NCCL"
+    return "rank processes sharing cuda:0, gloo + overlapping symmetric memory (time-shared: wall times mean nothing)"
+
+
 def main(args) -> int:
     if args.quick:
         args.small, args.world_size, args.tokens = True, 2, [1, 16, 80]
     shape = SMALL if args.small else K3
     W, tokens = args.world_size, args.tokens
-    print(f"k3tail demo: the MoE tail, W={W} on {args.device}{' (loopback)' if args.device == 'cuda' else ''}, "
-          f"shape {shape}, M={tokens}")
+    processes = getattr(args, "processes", False)
+    if processes and args.device != "cuda":
+        print("k3tail demo: --processes runs the ranks as processes on the GPU(s); add --device cuda "
+              "(CPU ranks always run as processes)", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(NO_CUDA_MSG, file=sys.stderr)
+        return 2
+    args.processes = processes
+    print(f"k3tail demo: the MoE tail, W={W} on {args.device} ({_mode(args)}), shape {shape}, M={tokens}")
     t_start = time.perf_counter()
-    if args.device == "cpu":
+    if args.device == "cpu" or processes:
         from .spawn import spawn
+        from .testing import no_multicast
 
-        per_rank = spawn(W, _rank_main, shape, tokens, args.seed, timeout=3600)
+        no_multicast()
+        per_rank = spawn(W, _rank_main, shape, tokens, args.seed, args.device, device=args.device, timeout=3600)
     else:
         per_rank = _cuda_main(W, shape, tokens, args.seed)
     print(f"{'M':>4} {'tier':<16}{'taken':<14}{'ranks agree':<12}{'max ulp':>8}{'<=1ulp*':>9}{'bias':>11}"

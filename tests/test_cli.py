@@ -97,6 +97,32 @@ def test_demo_smallest_exits_0(capsys):
     assert rc == 0, out
 
 
+def test_demo_processes_flag_parses():
+    from k3tail import cli
+
+    args = cli.build_parser().parse_args(["demo", "--device", "cuda", "--processes", "-W", "2"])
+    assert args.processes and args.device == "cuda" and args.world_size == 2
+    assert not cli.build_parser().parse_args(["demo"]).processes  # default: unchanged
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU message; this machine has a GPU")
+def test_demo_processes_without_cuda_fails_cleanly(capsys):
+    for argv in (("--device", "cuda", "--processes"), ("--device", "cuda")):
+        rc, out = inproc(capsys, "demo", *argv, "-W", "2", "-M", "1", "--small")
+        assert rc == 2, out
+        assert "k3tail demo --device cuda: needs a CUDA GPU" in out and "Traceback" not in out, out
+    rc, out = inproc(capsys, "demo", "--processes", "-W", "2")
+    assert rc == 2 and "add --device cuda" in out, out
+
+
+@pytest.mark.gpu
+def test_demo_processes_on_the_gpu_exits_0(capsys):
+    rc, out = inproc(capsys, "demo", "--device", "cuda", "--processes", "-W", "2", "-M", "1", "16", "--small")
+    print(out)
+    assert rc == 0, out
+    assert "rank processes" in out and "OK" in out
+
+
 # ------------------------------------------------------------ bench helpers (CPU)
 def test_parse_ints():
     assert B.parse_ints("1,2, 4") == [1, 2, 4]

@@ -1,8 +1,13 @@
 """k3tail.spawn: per-rank results in rank order, errors named with tracebacks, timeouts
-killed and reported, nothing left behind (processes, /dev/shm segments)."""
+killed and reported, a rank killed by a signal named with the signal, nothing left behind
+(processes, a rank's own children, /dev/shm segments, GPU memory); the placement plan
+(one process per GPU with NCCL, or several processes on one GPU with gloo + overlapping
+symmetric memory)."""
 
 import glob
 import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -29,6 +34,28 @@ def _rank_raises(rank, W):
 
 def _rank_sleeps(rank, W):
     time.sleep(600)
+
+
+def _rank_dies(rank, W, piddir, how):
+    """Rank 1 starts a child of its own (an orphan-to-be), then dies (``how``); the others block."""
+    with open(os.path.join(piddir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        kid = subprocess.Popen(["sleep", "600"])
+        with open(os.path.join(piddir, "grandchild"), "w") as f:
+            f.write(str(kid.pid))
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    time.sleep(600)
+
+
+def _pids(piddir):
+    out = {}
+    for name in os.listdir(piddir):
+        with open(os.path.join(piddir, name)) as f:
+            out[name] = int(f.read())
+    return out
 
 
 def _alive(pid):
@@ -72,6 +99,107 @@ def test_timeout_kills_and_reports():
     with pytest.raises(k3tail.K3TailError, match=r"ranks \[0, 1\] of 2 still running after 12 s"):
         k3tail.spawn(2, _rank_sleeps, timeout=12)
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit3"])
+def test_rank_killed_by_signal_is_named_and_nothing_survives(how, tmp_path):
+    before = set(glob.glob("/dev/shm/k3tail-*"))
+    t0 = time.monotonic()
+    with pytest.raises(k3tail.K3TailError) as ei:
+        k3tail.spawn(3, _rank_dies, str(tmp_path), how, timeout=120, grace=2.0)
+    took = time.monotonic() - t0
+    err, msg = ei.value, str(ei.value)
+    print(msg)
+    if how == "sigkill":
+        assert msg.startswith("rank 1 of 3 was killed by signal SIGKILL"), msg
+        assert err.signals == {1: "SIGKILL"} and not err.exitcodes
+    else:
+        assert msg.startswith("rank 1 of 3 exited with code 3 without a result"), msg
+        assert err.exitcodes == {1: 3} and not err.signals
+    assert err.killed == [0, 2] and "ranks [0, 2] were still running and were killed" in msg
+    assert took < 40, took
+    pids = _pids(tmp_path)
+    assert set(pids) == {"rank0", "rank1", "rank2", "grandchild"}
+    assert sorted(err.pids) == sorted(pids[f"rank{r}"] for r in range(3))
+    time.sleep(0.2)
+    assert not [n for n, p in pids.items() if _alive(p)], pids  # the rank's own child too
+    assert set(glob.glob("/dev/shm/k3tail-*")) <= before
+
+
+def _fake_cuda(monkeypatch, n):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_plan_cpu_and_gpu_placement(monkeypatch):
+    from k3tail.spawn import spawn_plan
+
+    p = spawn_plan(3, "cpu")
+    assert (p.mode, p.backend, p.devices) == ("cpu", "gloo", (None, None, None))
+    assert p.env["TRITON_INTERPRET"] == "1"
+    _fake_cuda(monkeypatch, 1)
+    for W in (2, 4):  # one GPU: every rank on cuda:0, gloo, overlapping symmetric memory
+        p = spawn_plan(W, "cuda", env={"X": "1"})
+        assert (p.mode, p.backend, p.devices) == ("overlapping", "gloo", (0,) * W)
+        assert p.env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] == "1" and p.env["X"] == "1"
+    with pytest.raises(ValueError, match="NCCL refuses two ranks"):
+        spawn_plan(2, "cuda", backend="nccl")
+    assert spawn_plan(1, "cuda").backend == "nccl"
+    _fake_cuda(monkeypatch, 4)
+    p = spawn_plan(4, "cuda")
+    assert (p.mode, p.backend, p.devices) == ("per_gpu", "nccl", (0, 1, 2, 3))
+    assert "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES" not in p.env
+    assert spawn_plan(8, "cuda").mode == "overlapping"
+    for p in (spawn_plan(2, "cpu"), spawn_plan(4, "cuda"), spawn_plan(8, "cuda")):  # DESIGN §8
+        assert p.env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and p.env["NCCL_NVLS_ENABLE"] == "0"
+        assert p.env["NVSHMEM_DISABLE_NVLS"] == "1"
+    _fake_cuda(monkeypatch, 0)
+    with pytest.raises(k3tail.K3TailError, match="no CUDA device is visible"):
+        k3tail.spawn(2, _rank_info, "x", device="cuda")
+
+
+def _rank_gpu_env(rank, W, hold_mib, piddir):
+    import torch.distributed as dist
+    with open(os.path.join(piddir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    x = torch.ones(hold_mib << 18, device="cuda")  # hold_mib MiB of fp32
+    torch.cuda.synchronize()
+    if rank == W - 1 and hold_mib:
+        os.kill(os.getpid(), signal.SIGKILL)
+    keys = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
+            "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES")
+    return {"device": torch.cuda.current_device(), "backend": dist.get_backend(), "sum": float(x[:4].sum()),
+            "env": {k: os.environ.get(k) for k in keys}}
+
+
+@pytest.mark.gpu
+def test_gpu_placement_env_and_sigkill_frees_gpu_memory(tmp_path):
+    n = torch.cuda.device_count()
+    W = 2
+    res = k3tail.spawn(W, _rank_gpu_env, 0, str(tmp_path), device="cuda", timeout=120)
+    for r, out in enumerate(res):
+        assert out["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and out["env"]["NCCL_NVLS_ENABLE"] == "0"
+        assert out["env"]["NVSHMEM_DISABLE_NVLS"] == "1"
+        if n >= W:
+            assert out["device"] == r and out["backend"] == "nccl"
+        else:
+            assert out["device"] == 0 and out["backend"] == "gloo"
+            assert out["env"]["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] == "1"
+    # the last rank holds 2 GiB and is SIGKILLed; the other is killed after the grace period
+    dev = W - 1 if n >= W else 0
+    torch.cuda.init()
+    free0 = torch.cuda.mem_get_info(dev)[0]
+    with pytest.raises(k3tail.K3TailError, match=f"rank {W - 1} of {W} was killed by signal SIGKILL"):
+        k3tail.spawn(W, _rank_gpu_env, 2048, str(tmp_path), device="cuda", timeout=120, grace=2.0)
+    for p in _pids(tmp_path).values():
+        assert not _alive(p)
+    free1 = 0
+    for _ in range(50):  # the driver frees a dead process's memory as it tears its context down
+        free1 = torch.cuda.mem_get_info(dev)[0]
+        if free1 >= free0 - (256 << 20):
+            break
+        time.sleep(0.1)
+    assert free1 >= free0 - (256 << 20), f"GPU memory left behind: {(free0 - free1) >> 20} MiB"
 
 
 def test_bad_arguments():
