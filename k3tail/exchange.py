@@ -185,10 +185,14 @@ class PeerExchange:
         block_n = min(L.next_pow2(widest), 256)
         # Tiles depend on the widest block only, not on M: one variant per (area use, dtype).
         block_m = min((16384 if interpret_mode() else 4096) // block_n, 1024)
+        align = 16 // elem  # widest vector: 16 bytes
+        for v in [b[s + 1] - b[s] for s in range(W)] + [out.stride(0) if M > 1 else N]:
+            while v % align:
+                align //= 2
         tiles = sum(-(-M // block_m) * -(-(b[s + 1] - b[s]) // block_n) for s in range(W))
         cap = 4 if interpret_mode() else 4 * torch.cuda.get_device_properties(ws.device).multi_processor_count
         pdl = L.pdl_enabled(ws.device)
         L.launch(gather_cols_kernel, (max(1, min(tiles, cap)),),
                  out, self._tables[name], self._bounds_tensor(b), ws.ctrl, M, out.stride(0),
-                 W=W, BLOCK_M=block_m, BLOCK_N=block_n, USE_PDL=pdl, pdl=pdl)
+                 W=W, BLOCK_M=block_m, BLOCK_N=block_n, ALIGN=align, USE_PDL=pdl, pdl=pdl)
         return out

@@ -138,13 +138,16 @@ def _run(W, calls=5):
     print(f"\nW={W}: {2 * calls} calls x 5 gathers checked on every rank in {time.time() - t0:.1f}s")
 
 
-def test_cpu_w2_w3_sequences():
+def test_cpu_w2_sequence():
     _run(2)
+
+
+def test_cpu_w3_sequence():
     _run(3)
 
 
 def test_cpu_w4_sequence():
-    _run(4, calls=6)
+    _run(4)
 
 
 def test_cpu_w1_is_a_copy():

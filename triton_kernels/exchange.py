@@ -69,6 +69,15 @@ from .lamport import is_poisoned, now_ns, peer_ptr, poison
 CTRL_EPOCH = 4  # lamport.CTRL_USER: this rank's barrier epoch
 
 
+@triton.jit
+def area_ptr(table_ptr, rank, DTYPE: tl.constexpr):
+    """``rank``'s area base from the area's peer table, typed ``DTYPE``, with its alignment
+    (256 bytes, 16 claimed) stated on the *pointer*: the hint on the int64 before the cast
+    (``lamport.peer_ptr``) left the gather's loads scalar (b16) in the sm_90 PTX; after the
+    cast they are ``ld.volatile.global.v4.b32``."""
+    return tl.multiple_of(tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE)), 16)
+
+
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
 def barrier_kernel(table_ptr, ctrl_ptr, host_flag_ptr, clock_ptr, rank, timeout_ns,
                    W: tl.constexpr, W_P2: tl.constexpr, CTRL_EPOCH_: tl.constexpr,
@@ -100,9 +109,10 @@ def barrier_kernel(table_ptr, ctrl_ptr, host_flag_ptr, clock_ptr, rank, timeout_
 @triton.jit(do_not_specialize=["M", "out_stride"])
 def gather_cols_kernel(out_ptr, table_ptr, bounds_ptr, ctrl_ptr, M, out_stride,
                        W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       ALIGN: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[:, bounds[s]:bounds[s+1]] = area_s[M, n_s]`` for every source s; ``table_ptr`` is
-    the area's peer table (256-byte aligned bases)."""
+    the area's peer table (256-byte aligned bases).  ``ALIGN`` (host: a power of two dividing
+    every width and ``out_stride``, at most 16 bytes) lets the loads and stores vectorize."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if USE_PDL:
@@ -112,21 +122,24 @@ def gather_cols_kernel(out_ptr, table_ptr, bounds_ptr, ctrl_ptr, M, out_stride,
     cols = tl.arange(0, BLOCK_N)
     if not is_poisoned(ctrl_ptr):
         row_tiles = tl.cdiv(M, BLOCK_M)
+        # ALIGN divides the stride (host): say so by arithmetic, exact here.  ``tl.multiple_of``
+        # on a scalar kernel argument is dropped (it has no defining op to carry the hint).
+        stride = out_stride // ALIGN * ALIGN
         first = pid * 0  # global index of source s's first tile
         s = 0
         while s < W:
-            lo = tl.load(bounds_ptr + s)
-            n = tl.load(bounds_ptr + s + 1) - lo
+            lo = tl.multiple_of(tl.load(bounds_ptr + s), ALIGN)
+            n = tl.multiple_of(tl.load(bounds_ptr + s + 1) - lo, ALIGN)
             col_tiles = tl.cdiv(n, BLOCK_N)
             n_tiles = row_tiles * col_tiles
-            src = peer_ptr(table_ptr, s, DTYPE)
+            src = area_ptr(table_ptr, s, DTYPE)
             i = (pid - first % nprog + nprog) % nprog  # this program's first tile of source s
             while i < n_tiles:
                 r = ((i // col_tiles) * BLOCK_M + rows).to(tl.int64)
                 c = (i % col_tiles) * BLOCK_N + cols
                 m = (r[:, None] < M) & (c[None, :] < n)
                 x = tl.load(src + r[:, None] * n + c[None, :], mask=m, volatile=True)
-                tl.store(out_ptr + r[:, None] * out_stride + (lo + c)[None, :], x, mask=m)
+                tl.store(out_ptr + r[:, None] * stride + (lo + c)[None, :], x, mask=m)
                 i += nprog
             first += n_tiles
             s += 1
