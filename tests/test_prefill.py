@@ -8,7 +8,7 @@ caveat: each shard's fp64 sum of squares is a Triton tree and the shards are the
 order, while torch sums the full row in its own order; the two fp64 values can differ in their
 last bits, and then rstd's fp32 rounding flips with probability ~2^-17 per row.  The seeds are
 fixed, so these cases are deterministic (none of them hits such a row).  The results are also
-held to the fp64 reference (<= 1 bf16/fp16 ulp for >= 99 % of the elements, signed bias printed).
+held to the fp64 reference (<= 1 bf16/fp16 ulp for >= 99.9 % of the elements, signed bias printed).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_pipeline_equals_numerics(case):
     assert not torch.isnan(torch.cat(sends)).any()
     p64 = [R.rank_partial(**i, routed_scale=N.f32(scale)) for i in ins]
     ref64, _ = R.finalize_allreduce_rmsnorm(p64, gamma, eps)
-    st = T.check_ulp(y, ref64, max_ulp=1.0, frac=0.99, what="normed latent vs fp64")
+    st = T.check_ulp(y, ref64, max_ulp=1.0, frac=0.999, what="normed latent vs fp64")
     print(f"\n{case[:8]}: {st}")
 
 

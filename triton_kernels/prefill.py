@@ -33,12 +33,14 @@ loads (no stale L1 line).  The caller owns the ordering, by this contract:
 Table entries must be 16-byte aligned device addresses (symmetric-memory bases are
 page-aligned); ``BASE_ALIGN`` (host-computed, bytes) is the alignment of ``table[s] + src_off``
 elements, stated on the pointer after the cast and the add (AxisInfo ignores a ``multiple_of``
-on a loaded value or on a kernel argument: the loads did not vectorize with it there).
+on a loaded value or on a kernel argument: in the sm_90 PTX of Triton 3.6 the loads stayed
+scalar with the hint there, and became ``ld.volatile.global.v4`` with it on the pointer).
 
 Grids.  The finalize and pack kernels run one program per (token, chunk): with ``PER_SHARD``
 (n % W == 0) a chunk lies inside one destination shard (``CPS`` chunks per shard), so loads
 and stores are contiguous and vectorize; otherwise a chunk is a slice of the full row (loads
-vectorize, the destination of each column is computed from the constexpr shard width).  All
+vectorize, the destination of each column is computed from the constexpr shard width; the
+host uses it where n % W != 0, and under the interpreter, whose cost is per program).  All
 offsets are int64 (M * n * 4 bytes exceeds 2^31 at prefill sizes).  ``M`` and ``src_off`` are
 ``do_not_specialize`` (TRITON_NOTES 2: a per-call value must not create a variant).
 """
