@@ -64,6 +64,18 @@ def _drive_w1():
             prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
+    from k3tail import prefill as PF  # the large-M path's local kernels: per-shard and per-column layouts
+    for W_, tac in ((4, {"per_shard": True}), (3, None)):
+        b = PF.shard_bounds(Lt, W_)
+        PF.finalize_to_shards(expert_out=eo, expert_weights=w, expanded_idx=idx, bounds=b, scale=0.5, tactics=tac)
+        PF.finalize_to_shards(routed=T.randn((M, Lt), torch.bfloat16, 2), bounds=b, tactics=tac)
+        PF.pack_shards(T.randn((M, Lt), torch.bfloat16, 3), b, tactics=tac)
+    blocks = T.randn((2, M, 128), torch.float32, 4)
+    x32, _ = PF.ordered_sum(M=M, n=128, dtype_in=torch.float32, src=blocks)
+    tab = torch.tensor([blocks[s].data_ptr() for s in range(2)], dtype=torch.int64)
+    PF.ordered_sum(M=M, n=64, dtype_in=torch.bfloat16, src_table=tab, src_offset_elems=8)
+    PF.normalize_shard(x32, torch.rand(M, 2, dtype=torch.float64), T.randn((128,), torch.bfloat16, 5),
+                       eps=1e-5, width=Lt, dtype=torch.bfloat16)
 
 
 def _rank_records(rank, W):
@@ -73,6 +85,17 @@ def _rank_records(rank, W):
 
     L.launch = _record
     try:
+        from k3tail.exchange import PeerExchange
+
+        ex = PeerExchange(areas={"lat": 4 * 3 * 8, "stats": 4 * 8}, timeout_s=5.0)  # the large-M path's pulls
+        ex.area("lat", torch.bfloat16, 15).copy_(T.randn((15,), torch.bfloat16, rank))
+        ex.area("stats", torch.float64, 3).copy_(T.randn((3,), torch.float64, rank))
+        ex.barrier()
+        ex.gather_cols("lat", M=3, bounds=[5 * s for s in range(W + 1)], dtype=torch.bfloat16,
+                       out=torch.empty(3, 5 * W, dtype=torch.bfloat16))
+        ex.gather_cols("stats", M=3, bounds=list(range(W + 1)), dtype=torch.float64,
+                       out=torch.empty(3, W, dtype=torch.float64))
+        ex.barrier()
         M, K, Lt, H = 2, 4, 256, 512
         eo, w, idx = T.moe_triple(M, K, Lt, torch.bfloat16, 10 + rank)
         k3tail.OneShotAllReduce(max_tokens=4, width=H)(T.randn((M, H), torch.bfloat16, rank))
