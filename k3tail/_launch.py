@@ -105,8 +105,11 @@ def after_launch(ws: Workspace, op: str, timeout_s: float) -> None:
 
 
 def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torch.device] = None,
-                 ndim: Optional[int] = None, shape=None, contiguous: bool = True) -> torch.Tensor:
-    """Validate an input; raise ValueError naming the argument."""
+                 ndim: Optional[int] = None, shape=None, contiguous: bool = True,
+                 aligned: bool = True) -> torch.Tensor:
+    """Validate an input; raise ValueError naming the argument.  ``aligned``: a CUDA tensor must
+    start on a 16-byte boundary (the kernels' vector accesses); ``False`` for inputs a kernel reads
+    without that assumption (e.g. a column slice of gamma at an uneven shard boundary)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
@@ -124,7 +127,7 @@ def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torc
                                  f"got {tuple(t.shape)} (dim {i})")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
-    if t.device.type == "cuda" and t.numel() and t.data_ptr() % 16 != 0:
+    if aligned and t.device.type == "cuda" and t.numel() and t.data_ptr() % 16 != 0:
         raise ValueError(f"{name} must be 16-byte aligned (got a view at offset {t.data_ptr() % 16})")
     return t
 
