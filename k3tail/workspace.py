@@ -108,7 +108,8 @@ class DistComm(Comm):
         self.name = getattr(group, "group_name", None) if group is not None else dist.group.WORLD.group_name
 
     def _device(self) -> torch.device:
-        if self.backend == "nccl":
+        """Where this group's own collectives put their tensors (NCCL: CUDA; gloo: CPU)."""
+        if "nccl" in str(self.backend):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -300,6 +301,41 @@ class LoopbackGroup(Comm):
     @property
     def stream(self) -> torch.cuda.Stream:
         return self.world.streams[self.rank]
+
+
+def resolve_device(comm: Comm, device=None) -> torch.device:
+    """The device of an op's tensors and workspaces on ``comm`` (DESIGN §5; docs/integration.md).
+
+    ``device`` given: that device (``"cuda"`` means the current CUDA device); a loopback group
+    must be given its world's device.  ``None``: a loopback group's world device; a process
+    group whose backend carries CUDA tensors (NCCL) the current CUDA device; a world of one the
+    current CUDA device when CUDA is available; otherwise the CPU.  Never a guess from a CPU
+    group for CUDA tensors: an engine's gloo ``cpu_group`` gets the CPU unless ``device=`` says
+    otherwise.
+    """
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from e
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={device!r}: CUDA is not available here")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+        if isinstance(comm, LoopbackGroup) and dev != comm.world.device:
+            raise ValueError(f"device={dev}: a loopback group's tensors live on its world's device "
+                             f"{comm.world.device}")
+        return dev
+    if isinstance(comm, LoopbackGroup):
+        return comm.world.device
+    if isinstance(comm, DistComm):
+        return comm._device()
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def comm_for(group) -> Comm:
