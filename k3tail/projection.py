@@ -72,12 +72,13 @@ def _mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[torch.Tensor] = None,
             shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-            tactics: Optional[dict] = None) -> torch.Tensor:
+            tactics: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out [M, N] = prefix + normed @ up_weight^T + shared_sum`` with fp32 accumulation, one rounding.
 
     ``normed [M, L]`` bf16/fp16; ``up_weight [N, L]`` same dtype (may be a row shard);
     ``prefix [M, N]`` 16-bit or None; ``shared_sum [M, N]`` fp32 or 16-bit or None; any strides
-    (column slices of wider tensors are fine); ``out_dtype`` defaults to ``normed.dtype``.
+    (column slices of wider tensors are fine); ``out_dtype`` defaults to ``normed.dtype``;
+    ``out``: optional ``[M, N]`` tensor of ``out_dtype`` to write (any strides; e.g. a send area).
     """
     tactics = dict(tactics or {})
     if set(tactics) - _TACTIC_KEYS:
@@ -104,7 +105,10 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[t
     out_dtype = normed.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
-    out = torch.empty(M, N, dtype=out_dtype, device=dev)
+    if out is None:
+        out = torch.empty(M, N, dtype=out_dtype, device=dev)
+    else:
+        _check_2d("out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
     if M == 0 or N == 0:
         return out
     if K == 0:

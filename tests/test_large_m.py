@@ -1,0 +1,249 @@
+"""The sharded large-M path (issue 14) inside K3MoETail: FUSED_LANE_AR above the lane capacity.
+
+Per case, on every rank: the sharded path through the group's collectives (``exchange="group"``:
+gloo ``all_to_all_single`` / ``all_gather``) and through the peers (``exchange="peer"``: shared
+memory, PeerExchange's barrier and pulls; loopback on the GPU), the path before it
+(``large_m="allreduce"``: one fp64 all-reduce of the lane) and forced SEPARATE_REDUCE.  Checks:
+the sharded output equals the allreduce path's bit for bit (same latent, same shared sum, same
+per-shard projection) and is identical on every rank; it is within the tier-agreement bound of
+SEPARATE_REDUCE (<= 2 ulp or the projection's fp32 noise floor) and within 1 ulp of the fp64
+reference for >= 99.9 % of the elements (near-tie latent slack allowed, as everywhere); the
+sharded path really ran (counted).  Cases: W = 2, 3, 4 CPU ranks; uneven shards (W = 3: latent
+104 -> 35/35/34; hidden 200 with full weights -> 67/67/66); M at the lane capacity, one above it,
+and M = max_tokens; -1 slots and NaN in the rows nothing points at (``testing.moe_triple``);
+bf16 and fp16.  GPU: loopback W = 2, 4, 8 at the K3 shape, M = 65 .. 8192.
+"""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import k3tail
+from k3tail import reference as R
+from k3tail import testing as T
+from k3tail.tiers import TailCaps, Tier, select_tier
+
+CPU_TACTICS = {"project": {"triton_max_m": 0}}
+LANE = 8
+
+
+def _inputs(cfg, M, W, rank, form="triple", seed=0, device="cpu"):
+    prefix, gamma, up, shared, rt = T.tail_inputs(hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, M=M,
+                                                  W=W, rank=rank, form=form, dtype=cfg.dtype, seed=seed,
+                                                  device=device)
+    if cfg.shard_up_proj:
+        rows = cfg.hidden // W
+        up = up[rank * rows:(rank + 1) * rows].contiguous()
+    return dict(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
+
+
+def _counted(mod):
+    """Count the sharded path's calls (so a silent fallback cannot pass as equality)."""
+    mod.sharded_calls = 0
+    inner = mod._large_m_sharded
+
+    def wrapped(**kw):
+        mod.sharded_calls += 1
+        return inner(**kw)
+
+    mod._large_m_sharded = wrapped
+    return mod
+
+
+def _build(cfg, group, tag, **kw):
+    return _counted(k3tail.K3MoETail(cfg, group, prefix=f"large_m.{tag}", lane_max_tokens=LANE, **kw))
+
+
+def _run_case(mods, cfg, M, W, rank, form, seed, call=None):
+    """Outputs of each variant on the same inputs (``call(variant, mod, inputs)`` runs one)."""
+    x = _inputs(cfg, M, W, rank, form, seed, device=mods["sharded_group" if "sharded_group" in mods
+                                                       else "sharded_peer"].device)
+    outs = {}
+    for name, mod in mods.items():
+        tier = Tier.SEPARATE_REDUCE if name == "separate" else Tier.FUSED_LANE_AR
+        y = (call or (lambda m, kw: m(**kw)))(mod, dict(x, tier=tier))
+        outs[name] = y.cpu()
+    return outs
+
+
+def check_case(per_rank_outs, cfg, M, W, form, seed, what, *, fp64_check=True):
+    """Every assertion of the module docstring; returns a one-line summary with the numbers."""
+    o0 = per_rank_outs[0]
+    for r, o in enumerate(per_rank_outs):
+        for name in ("sharded_group", "sharded_peer"):
+            if name not in o:
+                continue
+            assert torch.equal(o[name].view(torch.int16), o0[name].view(torch.int16)), \
+                f"{what}: {name} on rank {r} differs from rank 0"
+            assert torch.equal(o[name].view(torch.int16), o["allreduce"].view(torch.int16)), \
+                f"{what}: {name} on rank {r} is not bitwise equal to the allreduce path " \
+                f"({int((o[name] != o['allreduce']).sum())} elements differ)"
+    main = o0.get("sharded_group", o0.get("sharded_peer"))
+    assert not torch.isnan(main.float()).any(), f"{what}: NaN in the output"
+    parts, shareds = [], []
+    for r in range(W):
+        x = _inputs(cfg, M, W, r, form, seed)
+        rt = {k: x[k] for k in ("routed", "expert_out", "expert_weights", "expanded_idx") if k in x}
+        parts.append(R.rank_partial(**rt))
+        shareds.append(x["shared"])
+    prefix, gamma = x["prefix_hidden"], x["norm_weight"]
+    up = T.tail_inputs(hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, M=M, W=W, rank=0, form=form,
+                       dtype=cfg.dtype, seed=seed)[2]
+    floor = R.tail_noise_floor(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
+                               eps=cfg.eps)
+    agree = R.tier_agreement(main, o0["separate"], floor)
+    assert agree["beyond"] == 0, f"{what}: {agree['beyond']} elements beyond the tier-agreement bound " \
+                                 f"of SEPARATE_REDUCE (max {agree['max_ulp']:.1f} ulp)"
+    line = f"{what}: vs SEPARATE max {agree['max_ulp']:.2f} ulp"
+    if fp64_check:
+        st = T.check_tail(main, prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
+                          eps=cfg.eps, what=what)
+        line += (f"; vs fp64 max {st['max_ulp']:.2f} ulp, within bound {st['frac_within_bound']:.5f}, "
+                 f"bias {st['bias']:+.2e} (rel {st['rel_bias']:+.2e})")
+    return line
+
+
+# ------------------------------------------------------------------------------ CPU ranks
+SMALL = dict(hidden=192, latent=104, top_k=4)  # latent uneven at W = 3 (35/35/34)
+UNEVEN_H = dict(hidden=200, latent=104, top_k=4, shard_up_proj=False)  # hidden uneven at W = 3 (67/67/66)
+
+
+def _cpu_worker(rank, W, plans):
+    out = []
+    for i, (shape, dtype, cases) in enumerate(plans):
+        cfg = k3tail.TailConfig(max_tokens=max(M for M, _ in cases), dtype=dtype, **shape)
+        mods = {"sharded_group": _build(cfg, None, f"{i}.g", exchange="group", tactics=CPU_TACTICS),
+                "sharded_peer": _build(cfg, None, f"{i}.p", exchange="peer", tactics=CPU_TACTICS),
+                "allreduce": _build(cfg, None, f"{i}.a", large_m="allreduce", tactics=CPU_TACTICS)}
+        mods["separate"] = mods["allreduce"]
+        assert mods["sharded_peer"].negotiated["collectives"] == "peer"
+        assert mods["sharded_group"].negotiated["collectives"] == "group"
+        for M, form in cases:
+            before = {k: m.sharded_calls for k, m in mods.items()}
+            t0 = time.time()
+            outs = _run_case(mods, cfg, M, W, rank, form, seed=i + 1)
+            ran = {k: mods[k].sharded_calls - before[k] for k in ("sharded_group", "sharded_peer", "allreduce")}
+            out.append((i, M, form, outs, ran, time.time() - t0))
+    return out
+
+
+def _cpu_plans(W):
+    if W == 3:
+        return [(SMALL, torch.bfloat16, [(LANE, "triple"), (LANE + 1, "triple"), (24, "triple")]),
+                (UNEVEN_H, torch.float16, [(LANE + 1, "triple"), (20, "routed")])]
+    if W == 4:
+        return [(SMALL, torch.bfloat16, [(LANE + 1, "triple"), (16, "routed")])]
+    return [(SMALL, torch.bfloat16, [(LANE, "triple"), (LANE + 1, "triple"), (24, "triple")]),
+            (UNEVEN_H, torch.float16, [(LANE + 1, "triple")])]
+
+
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_large_m_cpu_ranks(W):
+    plans = _cpu_plans(W)
+    per_rank = k3tail.spawn(W, _cpu_worker, plans, timeout=600)
+    for entries in zip(*per_rank):
+        i, M, form, _, ran, secs = entries[0]
+        shape, dtype, _ = plans[i]
+        cfg = k3tail.TailConfig(max_tokens=max(m for m, _ in plans[i][2]), dtype=dtype, **shape)
+        want = int(M > LANE)
+        assert ran == {"sharded_group": want, "sharded_peer": want, "allreduce": 0}, (M, ran)
+        print(check_case([e[3] for e in entries], cfg, M, W, form, seed=i + 1,
+                         what=f"W={W} H={cfg.hidden} L={cfg.latent} {str(dtype)[6:]} M={M} {form}"),
+              f"({secs:.1f}s)")
+
+
+def test_large_m_solo_and_selector():
+    """W = 1 (no communication): the sharded path is the production path above the lane capacity and
+    equals the allreduce path bit for bit; groups without P2P take it from large_m_min_tokens up."""
+    cfg = k3tail.TailConfig(max_tokens=40, **SMALL)
+    mods = {"sharded_group": _build(cfg, None, "solo.s", tactics=CPU_TACTICS),
+            "allreduce": _build(cfg, None, "solo.a", large_m="allreduce", tactics=CPU_TACTICS)}
+    mods["separate"] = mods["allreduce"]
+    assert mods["sharded_group"].negotiated["collectives"] == "solo"
+    for M in (LANE + 1, 40):
+        outs = _run_case(mods, cfg, M, 1, 0, "triple", seed=7)
+        print(check_case([outs], cfg, M, 1, "triple", 7, what=f"W=1 M={M}"))
+    assert mods["sharded_group"].sharded_calls == 2 and mods["allreduce"].sharded_calls == 0
+    caps = TailCaps(fused_ar=False, large_m=True, large_m_min_tokens=100)
+    assert select_tier(num_tokens=99, graph_phase=False, caps=caps) is Tier.SEPARATE_REDUCE
+    assert select_tier(num_tokens=100, graph_phase=False, caps=caps) is Tier.FUSED_LANE_AR
+    off = dataclasses.replace(caps, large_m=False)
+    assert select_tier(num_tokens=5000, graph_phase=False, caps=off) is Tier.SEPARATE_REDUCE
+    lane = TailCaps(fused_ar=True, lane_max_tokens=64, large_m=True)
+    assert select_tier(num_tokens=65, graph_phase=False, caps=lane) is Tier.FUSED_LANE_AR
+
+
+def test_large_m_bad_arguments():
+    cfg = k3tail.TailConfig(max_tokens=16, **SMALL)
+    with pytest.raises(ValueError, match="large_m"):
+        k3tail.K3MoETail(cfg, prefix="bad.l", large_m="fp64")
+    with pytest.raises(ValueError, match="exchange"):
+        k3tail.K3MoETail(cfg, prefix="bad.e", exchange="nccl")
+    with pytest.raises(ValueError, match="device"):
+        k3tail.K3MoETail(cfg, prefix="bad.d", device="meta")
+
+
+def _no_p2p_worker(rank, W):
+    """A group whose vote finds no P2P: the sharded path from large_m_min_tokens up, through gloo."""
+    import os
+
+    os.environ["K3TAIL_FAKE_P2P_FAIL"] = "1"  # the vote's test hook: P2P fails on this rank
+    cfg = k3tail.TailConfig(max_tokens=12, **SMALL)
+    mod = _build(cfg, None, "nop2p", tactics=CPU_TACTICS)
+    caps = mod.caps
+    ref = _build(cfg, None, "nop2p.a", large_m="allreduce", tactics=CPU_TACTICS)
+    tiers = {M: mod.tier_for(M, False).name for M in (caps.large_m_min_tokens - 1, caps.large_m_min_tokens)}
+    x = _inputs(cfg, 12, W, rank, "triple", seed=3)
+    got = mod(tier=Tier.FUSED_LANE_AR, **x)
+    want = ref(tier=Tier.SEPARATE_REDUCE, **x)
+    with pytest.raises(ValueError, match="P2P"):
+        k3tail.K3MoETail(cfg, prefix="nop2p.peer", exchange="peer")
+    return dict(fused_ar=caps.fused_ar, tiers=tiers, calls=mod.sharded_calls, kind=mod.negotiated["collectives"],
+                got=got, want=want, possible=mod.possible(Tier.FUSED_LANE_AR, 1),
+                ref_possible=ref.possible(Tier.FUSED_LANE_AR, 1))
+
+
+def test_large_m_without_p2p_cpu():
+    res = k3tail.spawn(2, _no_p2p_worker, timeout=300)
+    for r in res:
+        assert not r["fused_ar"] and r["kind"] == "group" and r["calls"] == 1
+        assert list(r["tiers"].values()) == ["SEPARATE_REDUCE", "FUSED_LANE_AR"], r["tiers"]
+        assert r["possible"] is None and r["ref_possible"] is not None
+        assert torch.equal(r["got"].view(torch.int16), res[0]["got"].view(torch.int16))
+        assert (R.ulp_error(r["got"], R.f64(r["want"])) <= 2).all()
+
+
+# ------------------------------------------------------------------------------ GPU loopback
+K3 = dict(hidden=7168, latent=3584, top_k=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_large_m_loopback_gpu(W):
+    """K3 shape, W virtual ranks on the GPU: M = 65 (lane capacity 64 + 1), 1024 and max_tokens
+    (8192 at W = 8, else 2048); fp64 reference at M <= 1024."""
+    T.no_multicast()
+    world = k3tail.LoopbackWorld(W)
+    top = 8192 if W == 8 else 2048
+    cfg = k3tail.TailConfig(max_tokens=top, **K3)
+    mods_r = world.build(lambda r: {
+        "sharded_peer": _counted(k3tail.K3MoETail(cfg, world.group(r), prefix=f"lm.lb{W}.s")),
+        "allreduce": _counted(k3tail.K3MoETail(cfg, world.group(r), prefix=f"lm.lb{W}.a", large_m="allreduce"))})
+    for m in mods_r:
+        m["separate"] = m["allreduce"]
+        assert m["sharded_peer"].negotiated["collectives"] == "peer"
+    for M, form in ((65, "triple"), (1024, "triple"), (1024, "routed"), (top, "triple")):
+        inputs = [_inputs(cfg, M, W, r, form, seed=M, device="cuda") for r in range(W)]
+        outs = [dict() for _ in range(W)]
+        for name in ("sharded_peer", "allreduce", "separate"):
+            tier = Tier.SEPARATE_REDUCE if name == "separate" else Tier.FUSED_LANE_AR
+            res = world.run(lambda r: mods_r[r][name](tier=tier, **inputs[r]))
+            torch.cuda.synchronize()
+            for r in range(W):
+                outs[r][name] = res[r].cpu()
+        del inputs
+        assert all(m["sharded_peer"].sharded_calls >= 1 for m in mods_r)
+        print(check_case(outs, cfg, M, W, form, seed=M, what=f"loopback W={W} M={M} {form}",
+                         fp64_check=M <= 1024))
