@@ -6,7 +6,10 @@ timed by graph replay with every tier forced (``tier=``), on one grid of M:
 * the **main rig**: ``K3MoETail(lane_max_tokens=max M)``, every possible tier;
 * the **sharded rig** (only where ``K3MoETail`` takes ``large_m``): ``lane_max_tokens=0,
   large_m="sharded"``, FUSED_LANE_AR only.  With no lane allocated, a forced FUSED_LANE_AR runs
-  the sharded large-M path at every M; its points are labelled ``LARGE_M_SHARDED``.
+  the sharded large-M path at every M; its points are labelled ``LARGE_M_SHARDED``.  A sharded
+  rig that fails to build, comes up with another ``large_m`` or a lane, or measures no point
+  at all is reported in ``notes`` and left out (no ``large_m_min_tokens``; the lane is then
+  held against SEPARATE_REDUCE, as without it).
 
 The thresholds (pure functions of the points, :func:`crossover_thresholds`):
 
@@ -179,6 +182,9 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
                 f"timing FUSED_LANE_AR as {LARGE_M_TIER}")
             sres = B.bench_world(srig, ms, tiers=["FUSED_LANE_AR"], progress=lambda s: say(f"{head} sharded{s[1:]}"),
                                  **timing)
+            if not sres["points"]:  # every point skipped (possible() said no) or failed: not "never wins"
+                why = (sres.get("skipped") or [{}])[0].get("why", "no point")
+                raise RuntimeError(f"it measured nothing (first skip: {why})")
         except Exception as e:  # noqa: BLE001 - the main rig's thresholds still stand
             notes.append(f"sharded rig failed ({type(e).__name__}: {e}); large_m_min_tokens not measured, "
                          f"the lane held against SEPARATE_REDUCE")

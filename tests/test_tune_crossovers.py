@@ -125,7 +125,8 @@ class _Mod:
             self.large_m = large_m
 
 
-def _fakes(monkeypatch, *, accepts, sharded_kind="sharded", sharded_lane=0, sharded_build_error=None):
+def _fakes(monkeypatch, *, accepts, sharded_kind="sharded", sharded_lane=0, sharded_build_error=None,
+           sharded_empty=False):
     built = []
 
     def rig(W, cfg, *, multiproc, prefix, world, module_kwargs):
@@ -140,6 +141,9 @@ def _fakes(monkeypatch, *, accepts, sharded_kind="sharded", sharded_lane=0, shar
     def bench_world(rig, ms, *, tiers, **kw):
         if rig.sharded:
             assert tiers == ["FUSED_LANE_AR"]
+            if sharded_empty:
+                return {"points": [], "skipped": [{"tier": "FUSED_LANE_AR", "M": m, "why": "lane capacity is 0"}
+                                                  for m in ms]}
             return {"points": [pt("FUSED_LANE_AR", m, 50.0 + m / 10) for m in ms]}
         assert tiers is None
         return {"points": [pt("FUSED_LANE_AR", m, 10.0 + m) for m in ms]
@@ -181,15 +185,18 @@ def test_tune_crossovers_without_large_m_skips_the_sharded_rig(monkeypatch):
     assert len(x["notes"]) == 1 and "skipped" in x["notes"][0] and x["sharded_caps"] is None
 
 
-@pytest.mark.parametrize("how", ["build", "kind", "lane"])
+@pytest.mark.parametrize("how", ["build", "kind", "lane", "empty"])
 def test_tune_crossovers_sharded_rig_that_fails_keeps_the_main_thresholds(monkeypatch, how):
     kw = {"build": dict(sharded_build_error=RuntimeError("no symmetric memory")),
-          "kind": dict(sharded_kind="allreduce"), "lane": dict(sharded_lane=64)}[how]
+          "kind": dict(sharded_kind="allreduce"), "lane": dict(sharded_lane=64),
+          "empty": dict(sharded_empty=True)}[how]
     _fakes(monkeypatch, accepts=True, **kw)
     x, lines = _run()
     assert x["thresholds"] == {"lane_max_tokens": 16}
     assert len(x["notes"]) == 1 and "sharded rig failed" in x["notes"][0]
     assert SH not in {p["tier"] for p in x["points"]}
+    if how == "empty":  # a rig whose every point was skipped is a failure, not "never wins"
+        assert "measured nothing (first skip: lane capacity is 0)" in x["notes"][0]
 
 
 def test_module_accepts_matches_the_signature():
