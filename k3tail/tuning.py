@@ -56,8 +56,10 @@ SHIPPED_TABLE = TABLE_DIR / "tactics.json"
 CROSSOVER_KERNEL = "K3MoETail.tiers"
 
 # Threshold names the crossover entries may carry (TailCaps field names, DESIGN §2).
+# ``large_m_min_tokens`` (the sharded large-M path's lower bound without the lane, written by
+# ``k3tail tune`` where K3MoETail takes large_m) is taken as is, not as a min with a capacity.
 CROSSOVER_FIELDS = ("tail_fusion_max_tokens", "cute_max_tokens", "lane_max_tokens",
-                    "multimem_min_tokens", "multimem_max_tokens")
+                    "multimem_min_tokens", "multimem_max_tokens", "large_m_min_tokens")
 
 
 class TableKey(NamedTuple):

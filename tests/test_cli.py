@@ -437,8 +437,9 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
                           **fields) in kw["tactics_table"]
         pts = [{"tier": t, "M": m, "median_us": c * m, "p99_us": c * m} for t, c in
                (("TAIL_FUSION", 1.0), ("FUSED_LANE_AR", 2.0)) for m in (1, 8, 64)]
-        return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}, "points": pts,
-                "caps": {"tail_fusion_max_tokens": 16}}
+        return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64, "large_m_min_tokens": 256},
+                "points": pts, "caps": {"tail_fusion_max_tokens": 16}, "sharded_caps": {"lane_max_tokens": 0},
+                "notes": ["a note"]}
     monkeypatch.setattr(TU, "tune_crossovers", fake_cross)
     out = tmp_path / "table.json"
     old = T.TacticTable()
@@ -456,8 +457,10 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
         hit = T.lookup(tab, "Fake", world_size=W, shape=shape, default={}, **fields)
         assert hit == {"a": 1, "b": 20}  # a=1 is the cheapest under this fake timer
         assert tab.get(T.make_key("Fake", world_size=W, shape=shape, **fields))["info"]["loopback"] is True
-        assert T.crossovers(tab, world_size=W, shape=shape, **fields) == {"tail_fusion_max_tokens": 8,
-                                                                            "lane_max_tokens": 64}
+        assert T.crossovers(tab, world_size=W, shape=shape, **fields) == {
+            "tail_fusion_max_tokens": 8, "lane_max_tokens": 64, "large_m_min_tokens": 256}
+        info = tab.get(T.make_key(T.CROSSOVER_KERNEL, world_size=W, shape=shape, **fields))["info"]
+        assert info["notes"] == ["a note"] and info["sharded_caps"] == {"lane_max_tokens": 0}
     assert "W=3] skipped" in text  # 7168 is not a multiple of 8*3
     assert "[tune W=2 Fake] default" in text and "table saved" in text
     # the sweep report: every candidate per W, the crossover points, the meta of the run
@@ -509,6 +512,7 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
     closed = []
 
     def fake_rig(W, cfg, *, multiproc, module_kwargs):
+        assert "large_m" not in module_kwargs  # M <= the lane capacity: no baseline rig
         if W != 2:
             raise RuntimeError("CUDA error: device-side assert triggered\nmore lines")
         rig = _FakeRig(caps, W=2)
@@ -527,3 +531,35 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
     assert data["incomplete"] == {"world_size": 4, "error": "RuntimeError: CUDA error: device-side assert triggered"}
     assert {p["M"] for p in data["worlds"][0]["points"]} == {1, 4}
     assert "INCOMPLETE: W=4 failed" in text
+    # the README's bytes table inputs, whatever W and M ran: W=8, M=1024 and 8192
+    from k3tail import traffic
+
+    assert data["large_m_bytes_w8"] == {str(M): traffic.table(M=M, W=8, L=32, H=64, e=2) for M in (1024, 8192)}
+
+
+@pytest.mark.parametrize("accepts", [False, True])
+def test_bench_main_builds_the_large_m_baseline_only_where_the_module_takes_it(monkeypatch, tmp_path, capsys,
+                                                                                accepts):
+    from k3tail.tiers import TailCaps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+                                                          "torch": "t", "triton": "3.6.0", **kw})
+    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 5.0))
+    monkeypatch.setattr(B, "module_accepts", lambda name: accepts)
+    built = []
+
+    def fake_rig(W, cfg, *, multiproc, module_kwargs, prefix="layers.0"):
+        built.append(module_kwargs.get("large_m"))
+        rig = _FakeRig(TailCaps(fused_ar=True, lane_max_tokens=8), W=2)
+        rig.close = lambda: None
+        return rig
+
+    monkeypatch.setattr(B, "_Rig", fake_rig)
+    rc, text = inproc(capsys, "bench", "--world-sizes", "2", "--m", "4,32", "--hidden", "64", "--latent", "32",
+                      "--top-k", "4", "--out-dir", str(tmp_path), "--name", "lm", "--no-plot", "--phases", "graph")
+    assert rc == 0, text
+    assert built == ([None, "allreduce"] if accepts else [None])
+    w = json.loads((tmp_path / "lm.json").read_text())["worlds"][0]
+    assert set(w["large_m_bytes"]) == {"32"}
+    assert [b["M"] for b in w["baselines"] if b["name"] == "lane_large_m_allreduce"] == ([32] if accepts else [])

@@ -94,3 +94,33 @@ def test_bench_world_records_bytes_and_times_the_old_large_m_path(monkeypatch):
     assert olds[0]["bytes_per_rank"] == T.bytes_per_rank("allreduce", M=32, W=2, L=32, H=64, world="loopback")[0]
     assert ("FUSED_LANE_AR", 32) in old.mods[0].calls and not any(m == 4 for _, m in old.mods[0].calls)
     assert set(res["large_m_bytes"]) == {"32"}
+
+
+def test_bench_json_carries_the_readme_bytes_at_w8(monkeypatch):
+    """The README's large-M bytes table: W=8, M=1024 and 8192, allreduce / sharded / bf16 lane,
+    per world (large_m_bytes, the M run above the lane) and for the shape (readme_large_m_bytes)."""
+    from k3tail.tiers import TailCaps
+
+    def timer(step, warm_step=None, **kw):
+        (warm_step or step)(0)
+        return {**B.summarize([10.0]), "calls": 1, "replays": 1}
+
+    monkeypatch.setattr(B, "time_graph", timer)
+    caps = TailCaps(fused_ar=True, lane_max_tokens=64)
+    rig = _Rig(caps, "sharded", W=8)
+    res = B.bench_world(rig, [64, 1024, 8192], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False,
+                        budget_s=0.01, max_calls=1, baselines=False, progress=lambda s: None)
+    assert set(res["large_m_bytes"]) == {"1024", "8192"}
+    for M in (1024, 8192):
+        assert res["large_m_bytes"][str(M)] == T.table(M=M, W=8, L=32, H=64, e=2)
+        assert set(res["large_m_bytes"][str(M)]) == {"allreduce", "sharded", "bf16_lane"}
+    k3 = B.readme_large_m_bytes(3584, 7168, torch.bfloat16)
+    # by hand at K3, M=8192: fp64 lane ring 2*7/8*M*(L+H)*8 + output gather 7/8*M*H*2; sharded
+    # 7/8*M*(4L + 2H + 2L) + 8*M*7 + 7/8*M*H*2; bf16 lane ring 2*7/8*M*(L+H)*2.  M=1024: one eighth.
+    want = {"allreduce": 1_233_125_376 + 102_760_448, "sharded": 256_901_120 + 458_752 + 102_760_448,
+            "bf16_lane": 308_281_344}
+    assert {M: {k: v["bytes"] for k, v in t.items()} for M, t in k3.items()} == {
+        "1024": {k: v // 8 for k, v in want.items()}, "8192": want}
+    # a module that predates the sharded path (no large_m attribute) runs the grouped all-reduce above
+    # the lane: its FUSED_LANE_AR points are counted as that
+    assert B.large_m_kind(object()) == "allreduce"

@@ -1,0 +1,233 @@
+"""``k3tail tune``'s kernel specs: how to build, feed and time each tuned op with a given tactic.
+
+Split out of :mod:`k3tail.tune` (which re-exports every name here).  One :class:`Spec` per
+kernel of the tactic table (``SPECS``: LatentTail, LaneAllReduce, project,
+FinalizeAllReduceRMSNorm), each with its M set, its tactic space (the keys its op accepts, in
+the order the coordinate descent visits them) and the table's shape string.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from . import bench as B
+from . import tuning as T
+
+
+class Spec:
+    """How to build, feed and time one kernel's op with a given tactic (loopback world)."""
+
+    name = ""
+    per_rank = True  # False: a local op (no communication), timed on rank 0 only
+
+    def ms(self, full: bool) -> List[int]:
+        raise NotImplementedError
+
+    def space(self, full: bool, W: int, cfg) -> Dict[str, List[Any]]:
+        """Tactic key -> candidate values, in the order the descent visits them."""
+        raise NotImplementedError
+
+    def shape(self, cfg) -> str:
+        return T.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
+
+    def build(self, world, cfg, tactic: dict, tag: str, timeout_s: float, max_tokens: int) -> list:
+        """One op per rank (collective construction through ``world.build``)."""
+        raise NotImplementedError
+
+    def resolved(self, ops: list) -> dict:
+        """The complete tactic the ops ended up with (their defaults filled in)."""
+        raise NotImplementedError
+
+    def step_for(self, world, ops, cfg, M: int, seed: int) -> Callable[[int], Any]:
+        raise NotImplementedError
+
+
+def _weights(world, cfg, copies, seed):
+    W = world.world_size
+    return [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=cfg.hidden // W, copies=copies,
+                           dtype=cfg.dtype, device=world.device, seed=seed + 7919 * r) for r in range(W)]
+
+
+def _inputs(world, cfg, M, seed, deferred=True):
+    return [B.rank_inputs(M=M, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, dtype=cfg.dtype,
+                          device=world.device, seed=seed + 1000 * M + r, deferred=deferred)
+            for r in range(world.world_size)]
+
+
+class LatentTailSpec(Spec):
+    name = "LatentTail"
+
+    def ms(self, full):
+        return [1, 2, 4, 8, 16] if full else [1, 16]
+
+    def space(self, full, W, cfg):
+        if full:
+            return {"b_block_n": [16, 32, 64, 128], "b_split_k": [1, 2, 4, 8, 16], "b_block_k": [64, 128, 256],
+                    "b_warps": [2, 4, 8], "b_stages": [2, 3, 4, 5], "b_gemv_max_m": [0, 1, 2, 4],
+                    "b_gemv_rows": [4, 8, 16], "b_gemv_warps": [4, 8, 16], "a_slices": [1, 2, 4, 7, 14, 28],
+                    "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
+        return {"b_block_n": [16, 32, 64], "b_split_k": [1, 2, 4, 8], "b_warps": [4, 8], "b_gemv_max_m": [0, 4],
+                "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
+
+    def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
+        from .tail import LatentTail
+
+        return world.build(lambda r: LatentTail(world.group(r), hidden=cfg.hidden, latent=cfg.latent,
+                                                top_k=cfg.top_k, eps=cfg.eps, max_tokens=16, dtype=cfg.dtype,
+                                                key=f"k3tail.tune.{tag}", timeout_s=timeout_s,
+                                                tactics=tactic or None))
+
+    def resolved(self, ops):
+        return dict(ops[0].tactics)
+
+    def step_for(self, world, ops, cfg, M, seed):
+        ins = _inputs(world, cfg, M, seed)
+        ws = _weights(world, cfg, 8, seed)
+
+        def step(i):
+            return world.run(lambda r: ops[r](prefix=ins[r]["prefix_hidden"], shared=ins[r]["shared"],
+                                              norm_weight=ws[r][0], up_weight=ws[r][1][i % 8],
+                                              expert_out=ins[r]["expert_out"],
+                                              expert_weights=ins[r]["expert_weights"],
+                                              expanded_idx=ins[r]["expanded_idx"]))
+        return step
+
+
+class _FusedSpec(Spec):
+    def space(self, full, W, cfg):
+        wp2 = 1 << max(0, (W - 1).bit_length())
+        blocks = [b for b in ((128, 256, 512, 1024, 2048, 4096) if full else (256, 512, 1024))
+                  if b * wp2 <= (32768 if full else 16384)]
+        return {"block": blocks, "num_warps": [2, 4, 8, 16] if full else [4, 8],
+                "slices": [1, 2, 4, 8, 64] if full else [1, 64],
+                "slice_block": [128, 256, 512, 1024] if full else [256, 512],
+                "slice_warps": [2, 4, 8] if full else [4, 8]}
+
+    takes_shared = False  # does the op's call take this rank's shared partial?
+
+    def resolved(self, ops):
+        o = ops[0]
+        return {"block": int(o.block), "num_warps": int(o.num_warps), "slices": int(o.slices),
+                "slice_block": int(o.slice_block), "slice_warps": int(o.slice_warps)}
+
+    def step_for(self, world, ops, cfg, M, seed):
+        ins = _inputs(world, cfg, M, seed)
+        nw = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=8, copies=1, dtype=cfg.dtype,
+                             device=world.device, seed=seed + r)[0] for r in range(world.world_size)]
+        keys = ("shared", "expert_out", "expert_weights", "expanded_idx")[0 if self.takes_shared else 1:]
+
+        def step(i):
+            return world.run(lambda r: ops[r](norm_weight=nw[r], **{k: ins[r][k] for k in keys}))
+        return step
+
+
+class LaneSpec(_FusedSpec):
+    name = "LaneAllReduce"
+    takes_shared = True
+
+    def ms(self, full):
+        return [16, 64, 256, 1024] if full else [16, 64]
+
+    def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
+        from .finalize import LaneAllReduce
+
+        return world.build(lambda r: LaneAllReduce(world.group(r), latent=cfg.latent, hidden=cfg.hidden,
+                                                   max_tokens=max_tokens, top_k=cfg.top_k, eps=cfg.eps, dtype=cfg.dtype,
+                                                   timeout_s=timeout_s, tactics=tactic or None))
+
+
+
+class FinalizeSpec(_FusedSpec):
+    name = "FinalizeAllReduceRMSNorm"
+
+    def ms(self, full):
+        return [1, 16, 256] if full else [1, 16]
+
+    def shape(self, cfg):
+        return T.shape_string(width=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
+
+    def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
+        from .finalize import FinalizeAllReduceRMSNorm
+
+        return world.build(lambda r: FinalizeAllReduceRMSNorm(world.group(r), width=cfg.latent,
+                                                              max_tokens=max_tokens,
+                                                              top_k=cfg.top_k, eps=cfg.eps, dtype=cfg.dtype,
+                                                              timeout_s=timeout_s, tactics=tactic or None))
+
+
+
+class _Project:
+    """``project`` with a fixed tactic (the per-rank "op" of ProjectSpec)."""
+
+    def __init__(self, tactic: dict, n: int):
+        self.tactic, self.n = tactic, n
+
+    def resolved(self) -> dict:
+        from .projection import default_tactics
+
+        return {**default_tactics(self.n, interpret=False), **self.tactic}  # project()'s CUDA defaults, filled in
+
+    def __call__(self, *args, **kwargs):
+        from .projection import project
+
+        return project(*args, tactics=self.tactic, **kwargs)
+
+
+class ProjectSpec(Spec):
+    """``k3tail.project`` on this rank's shard ``[H/W, L]`` (no communication; every virtual
+    rank runs it on its own stream, as in the tiers).  ``triton_max_m`` is measured as a
+    crossover: the largest M up to which the Triton skinny GEMM beats the cuBLAS path."""
+
+    name = "project"
+
+    def ms(self, full):
+        return [1, 4, 16] if full else [1, 16]
+
+    def space(self, full, W, cfg):
+        # triton_max_m 0: every M takes the cuBLAS path (measured against the Triton one)
+        if full:
+            return {"block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512], "num_warps": [2, 4, 8],
+                    "triton_max_m": [0, 1, 2, 4, 8, 16]}
+        return {"block_n": [16, 32, 64], "block_k": [128, 256, 512], "num_warps": [4, 8], "triton_max_m": [0, 1, 16]}
+
+    def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
+        t = dict(tactic or {})
+        # project() validates its tactics at call time: reject bad ones here, before timing
+        from .projection import _TACTIC_KEYS
+
+        unknown = set(t) - _TACTIC_KEYS
+        if unknown:
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)}")
+        for k in ("block_n", "block_k"):
+            if k in t and (t[k] < 16 or t[k] & (t[k] - 1)):
+                raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
+        return [_Project(t, cfg.hidden // world.world_size) for _ in range(world.world_size)]
+
+    def resolved(self, ops):
+        return ops[0].resolved()
+
+    def step_for(self, world, ops, cfg, M, seed):
+        W = world.world_size
+        dev = world.device
+        normed = [torch.randn(M, cfg.latent, device=dev, generator=B._gen(dev, seed + r)).to(cfg.dtype)
+                  for r in range(W)]
+        ins = _inputs(world, cfg, M, seed, deferred=False)
+        ws = _weights(world, cfg, 8, seed)
+        S = cfg.hidden // W
+        cols = [slice(r * S, (r + 1) * S) for r in range(W)]
+        shsum = [ins[r]["shared"][:, cols[r]].float().contiguous() for r in range(W)]
+        pre = [ins[r]["prefix_hidden"][:, cols[r]].contiguous() for r in range(W)]
+
+        def step(i):
+            return world.run(lambda r: ops[r](normed[r], ws[r][1][i % 8], prefix=pre[r], shared_sum=shsum[r],
+                                              out_dtype=cfg.dtype))
+        return step
+
+
+SPECS: Dict[str, Spec] = {s.name: s for s in (LatentTailSpec(), LaneSpec(), ProjectSpec(), FinalizeSpec())}
+
+
+def spec_shape(cfg) -> str:
+    return T.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
