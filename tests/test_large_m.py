@@ -82,6 +82,11 @@ def check_case(per_rank_outs, cfg, M, W, form, seed, what, *, fp64_check=True):
                 f"({int((o[name] != o['allreduce']).sum())} elements differ)"
     main = o0.get("sharded_group", o0.get("sharded_peer"))
     assert not torch.isnan(main.float()).any(), f"{what}: NaN in the output"
+    if not fp64_check:  # large M: the torch reference would take minutes on the host
+        u = R.ulp_error(main, R.f64(o0["separate"]))
+        frac = float((u <= 2).double().mean())
+        assert frac >= 0.9999, f"{what}: only {frac:.6f} of elements within 2 ulp of SEPARATE_REDUCE"
+        return f"{what}: vs SEPARATE max {float(u.max()):.2f} ulp ({frac:.6f} within 2 ulp); no fp64 reference"
     parts, shareds = [], []
     for r in range(W):
         x = _inputs(cfg, M, W, r, form, seed)
@@ -223,7 +228,9 @@ K3 = dict(hidden=7168, latent=3584, top_k=16)
 @pytest.mark.parametrize("W", [2, 4, 8])
 def test_large_m_loopback_gpu(W):
     """K3 shape, W virtual ranks on the GPU: M = 65 (lane capacity 64 + 1), 1024 and max_tokens
-    (8192 at W = 8, else 2048); fp64 reference at M <= 1024."""
+    (8192 at W = 8, else 2048); the fp64 reference and the tier-agreement bound at M <= 1024; at
+    max_tokens (materialized routed: drawing the triple's rows takes the host a minute) bitwise
+    equality with the allreduce path and across ranks, and <= 2 ulp from SEPARATE_REDUCE."""
     T.no_multicast()
     world = k3tail.LoopbackWorld(W)
     top = 8192 if W == 8 else 2048
@@ -234,7 +241,7 @@ def test_large_m_loopback_gpu(W):
     for m in mods_r:
         m["separate"] = m["allreduce"]
         assert m["sharded_peer"].negotiated["collectives"] == "peer"
-    for M, form in ((65, "triple"), (1024, "triple"), (1024, "routed"), (top, "triple")):
+    for M, form in ((65, "triple"), (1024, "triple"), (1024, "routed"), (top, "routed")):
         inputs = [_inputs(cfg, M, W, r, form, seed=M, device="cuda") for r in range(W)]
         outs = [dict() for _ in range(W)]
         for name in ("sharded_peer", "allreduce", "separate"):
