@@ -128,6 +128,29 @@ def part_b_c(ms, budget, say):
                 call(tri)
                 host.append((time.perf_counter() - t0) * 1e6)
                 torch.cuda.synchronize()
+            # where the host time goes: the Triton launches (k3tail._launch.launch) vs the rest
+            from k3tail import _launch as KL
+
+            inner, spent = KL.launch, []
+
+            def timed_launch(*a, **k):
+                t1 = time.perf_counter()
+                try:
+                    return inner(*a, **k)
+                finally:
+                    spent.append((time.perf_counter() - t1) * 1e6)
+
+            KL.launch = timed_launch
+            try:
+                per_call = []
+                for _ in range(30):
+                    spent.clear()
+                    call(tri)
+                    per_call.append((sum(spent), len(spent)))
+                    torch.cuda.synchronize()
+            finally:
+                KL.launch = inner
+            launch_us = statistics.median(t for t, _ in per_call)
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -137,9 +160,11 @@ def part_b_c(ms, budget, say):
             launches = [e.name for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                      "cuLaunchKernelEx", "cudaLaunchKernelExC")]
             r["host"] = {"median_us": statistics.median(host), "min_us": min(host), "gpu_kernels": len(kernels),
-                         "launch_calls": len(launches), "kernel_names": sorted(set(kernels))}
+                         "launch_calls": len(launches), "kernel_names": sorted(set(kernels)),
+                         "triton_launch_us": launch_us, "triton_launches": per_call[0][1]}
             say(f"(c) M={M} eager host time {r['host']['median_us']:.1f} us (min {r['host']['min_us']:.1f}), "
-                f"{len(kernels)} GPU kernels, {len(launches)} launch calls")
+                f"{len(kernels)} GPU kernels, {len(launches)} launch calls; {per_call[0][1]} Triton launches "
+                f"take {launch_us:.1f} us of it")
         out[str(M)] = r
         del tri, mat
     return out

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from . import _launch as L
 from .allreduce import OneShotAllReduce
 from .errors import K3TailError
-from .prefill import ordered_sum
+from .prefill import ordered_sum, pack_shards
 from .triton_kernels.allreduce import oneshot_allreduce_kernel
 from .triton_kernels.lamport import NUM_STAGES
 from .workspace import DistComm, LoopbackGroup, create_workspace, interpret_mode
@@ -80,6 +80,16 @@ class ShardExchange:
         t = torch.empty(numel, dtype=dtype, device=self.device)
         self._areas[name] = t
         return t
+
+    def put(self, name: str, x: torch.Tensor, bounds: Optional[Sequence[int]] = None) -> None:
+        """Write ``x [M, n]`` (exact copy, its own dtype) into area ``name``: in the send layout
+        of ``bounds`` (for :meth:`reduce_shards`), or as this rank's own block with ``bounds=None``
+        (for :meth:`gather`).  Solo: no copy at all."""
+        out = self.area(name, x.dtype, x.numel())
+        if bounds is None:
+            out.copy_(x.reshape(-1))
+        else:
+            pack_shards(x, bounds, out=out)
 
     def publish(self) -> None:
         """Every rank's writes so far become readable by its peers."""
@@ -119,6 +129,9 @@ class Collectives:
 
 # ============================================================================ solo
 class _SoloExchange(ShardExchange):
+    def put(self, name, x, bounds=None):
+        self._areas[name] = x.reshape(-1)
+
     def reduce_shards(self, name, *, M, bounds, dtype, sumsq):
         n = bounds[1] - bounds[0]
         src = self._areas[name][:M * n]

@@ -26,7 +26,7 @@ import torch
 
 from . import numerics
 from .errors import TierUnavailable
-from .prefill import finalize_to_shards, normalize_shard, pack_shards
+from .prefill import finalize_to_shards, normalize_shard
 from .projection import project
 
 
@@ -113,12 +113,12 @@ class TierPaths:
         finalize_to_shards(routed=routed, expert_out=expert_out, expert_weights=expert_weights,
                            expanded_idx=expanded_idx, scale=c.routed_scale, bounds=bl,
                            out=X.area("routed", torch.float32, M * c.latent))
-        pack_shards(shared, bh, out=X.area("shared", dt, M * c.hidden))
+        X.put("shared", shared, bh)
         X.publish()
         # 2-3. the own shards, summed in rank order; the own shard's fp64 sum of squares
         x32, ss = X.reduce_shards("routed", M=M, bounds=bl, dtype=torch.float32, sumsq=True)
         shared_sum, _ = X.reduce_shards("shared", M=M, bounds=bh, dtype=dt, sumsq=False)
-        X.area("stats", torch.float64, M).copy_(ss)
+        X.put("stats", ss.view(M, 1))
         X.publish()
         stats = X.gather("stats", M=M, bounds=list(range(W + 1)), dtype=torch.float64)
         normalize_shard(x32, stats, norm_weight[l0:l1], eps=c.eps, width=c.latent, dtype=dt,
