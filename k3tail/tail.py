@@ -37,7 +37,7 @@ from .numerics import f32
 from .triton_kernels.tail_fusion import (BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_b_gemv_kernel,
                                           tail_b_kernel, tail_c_kernel)
 from .workspace import (LoopbackGroup, Workspace, arm_region, comm_for, create_workspace,
-                        interpret_mode, CTRL_WORDS)
+                        interpret_mode, resolve_device, CTRL_WORDS)
 
 __all__ = ["LatentTail", "shard_gemm", "workspace_layout"]
 
@@ -227,7 +227,12 @@ class LatentTail:
     """The TAIL_FUSION tier: three Triton kernels, output bit-identical on every rank.
 
     ``LatentTail(group=None, *, hidden, latent, top_k=None, eps=1e-5, routed_scale=1.0,
-    max_tokens=16, dtype=torch.bfloat16, key, pool_depth=2, timeout_s=20.0, tactics=None)``
+    max_tokens=16, dtype=torch.bfloat16, key, pool_depth=2, timeout_s=20.0, tactics=None,
+    device=None)``
+
+    ``device``: where the workspace pool and every tensor live (``workspace.resolve_device``:
+    None means the group's device, e.g. CPU for gloo; a gloo group with ``device="cuda"`` runs
+    over torch symmetric memory, the group only carrying the host-side rendezvous).
 
     Construct on every rank in the same order, outside CUDA-graph capture (collective
     allocation); calls are graph-capturable.  ``up_weight`` passed to a call is this
@@ -239,7 +244,7 @@ class LatentTail:
     def __init__(self, group=None, *, hidden: int, latent: int, top_k: Optional[int] = None,
                  eps: float = 1e-5, routed_scale: float = 1.0, max_tokens: int = 16,
                  dtype: torch.dtype = torch.bfloat16, key: str, pool_depth: int = 2,
-                 timeout_s: float = 20.0, tactics: Optional[dict] = None):
+                 timeout_s: float = 20.0, tactics: Optional[dict] = None, device=None):
         if dtype not in L.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         for name, v in (("hidden", hidden), ("latent", latent)):
@@ -265,6 +270,12 @@ class LatentTail:
         else:
             comm = comm_for(group)
             W, rank = comm.world_size, comm.rank
+        if comm is None:  # a world of one without torch.distributed (the interpreter keeps it on CPU)
+            dev = resolve_device(None, device) if device is not None else (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available() and not interpret_mode() else torch.device("cpu"))
+        else:
+            dev = resolve_device(comm, device)  # ValueError naming device= before any allocation
         if hidden % W:
             raise ValueError(f"hidden ({hidden}) must be divisible by the world size ({W})")
         if hidden % 8 or (hidden // W) % 8:
@@ -275,7 +286,7 @@ class LatentTail:
         self._scalars32 = (f32(routed_scale), f32(eps))  # what kernel A receives (numerics.py), rounded once
         self.max_tokens, self.dtype, self.key, self.pool_depth = max_tokens, dtype, key, pool_depth
         self.timeout_s = float(timeout_s)
-        self._set = self._acquire_set()
+        self._set = self._acquire_set(dev)
         self.ws = self._set.ws
         self.device = self.ws.device
         t = _default_tactics(hidden=hidden, latent=latent, W=W, device=self.device)
@@ -300,12 +311,7 @@ class LatentTail:
         return self.ws.multicast_ptr != 0 and self.shard % 2 == 0 and n_tile % 2 == 0
 
     # ------------------------------------------------------------------ pool
-    def _acquire_set(self) -> _Set:
-        if self.comm is None:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                and not interpret_mode() else torch.device("cpu")
-        else:
-            dev = None
+    def _acquire_set(self, dev: torch.device) -> _Set:
         ident = _group_identity(self.group, self.comm)
         pkey = (ident, str(dev), self.world_size, self.hidden, self.latent, self.max_tokens, self.dtype,
                 self.pool_depth)
