@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from typing import Optional
 
 import torch
 
 from ._clock import clock_page
+from ._runtime import interpret_mode, warm_only, warm_only_active
+from ._runtime import state as _runtime_state
 from .errors import PeerTimeout
-from .workspace import LoopbackGroup, Workspace, interpret_mode
+from .loopback import LoopbackGroup
+from .workspace import Workspace
+
+# interpret_mode, warm_only, LoopbackGroup and Workspace stay importable from here (re-exports)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -54,24 +57,7 @@ def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
 
 
 _warm: set = set()
-_mode = threading.local()
-
-
-@contextlib.contextmanager
-def warm_only():
-    """Inside this context :func:`launch` compiles and loads kernels but launches nothing.
-
-    ``LoopbackWorld.run`` makes one such pass over every rank before the real one: a
-    module load while another virtual rank's kernel spins blocks until that kernel gives
-    up (TRITON_NOTES 2; seen on the H200 as a 20 s timeout when a tail's second kernel
-    was loaded while its first one spun), so every variant must be loaded before the
-    first launch of any rank."""
-    prev = getattr(_mode, "warm_only", False)
-    _mode.warm_only = True
-    try:
-        yield
-    finally:
-        _mode.warm_only = prev
+_mode = _runtime_state  # per-thread: ``_mode.warm_only`` inside warm_only() (tests read it)
 
 
 def launch(kernel, grid, *args, pdl: bool = False, num_warps: int = 4, **kwargs):
@@ -93,7 +79,7 @@ def launch(kernel, grid, *args, pdl: bool = False, num_warps: int = 4, **kwargs)
             if init is not None:
                 init()
             _warm.add(key)
-        if getattr(_mode, "warm_only", False):
+        if warm_only_active():
             return None
     return kernel[grid](*args, num_warps=num_warps, **kwargs)
 

@@ -7,7 +7,7 @@ import torch
 from . import _launch as L
 from .triton_kernels.allreduce import oneshot_allreduce_kernel
 from .triton_kernels.lamport import NUM_STAGES
-from .workspace import comm_for, create_workspace, interpret_mode
+from .workspace import comm_for, create_workspace, interpret_mode, resolve_device
 
 
 class OneShotAllReduce:
@@ -16,6 +16,9 @@ class OneShotAllReduce:
     fp32 accumulation in rank order and one rounding, so every rank returns bit-identical
     results.  ``M <= max_tokens``.  World size 1 returns a copy without communicating.
     ``group`` is a process group (None: the default one) or a ``LoopbackWorld`` group.
+    ``device``: where the workspace and the tensors live (``workspace.resolve_device``: None
+    means the group's device, CPU for gloo, the current CUDA device for NCCL; a gloo group
+    with ``device="cuda"`` uses torch symmetric memory and only the group's host collectives).
     Must be constructed on every rank in the same order (collective allocation), outside
     CUDA-graph capture; calls are graph-capturable (the stage counter lives on the device).
     """
@@ -37,12 +40,13 @@ class OneShotAllReduce:
         self.max_tokens, self.width, self.dtype, self.timeout_s = max_tokens, width, dtype, float(timeout_s)
         self.ws = None
         if self.world_size > 1:
+            dev = resolve_device(self.comm, device)  # ValueError naming device= before allocating
             elem = torch.empty((), dtype=dtype).element_size()
             nbytes = NUM_STAGES * self.world_size * max_tokens * width * elem
-            self.ws = create_workspace(group, nbytes, device=device, what=self.op_name)
+            self.ws = create_workspace(group, nbytes, device=dev, what=self.op_name)
             self.device = self.ws.device
-        else:
-            self.device = torch.device(device) if device is not None else None
+        else:  # nothing to allocate: any device unless one is named
+            self.device = resolve_device(self.comm, device) if device is not None else None
         w_p2 = L.next_pow2(self.world_size)
         budget = 32768 if interpret_mode() else 8192
         self.block = max(64, min(L.next_pow2(width), budget // w_p2, 4096 if interpret_mode() else 1024))

@@ -130,12 +130,17 @@ def lane_allreduce(op, *, norm_weight, shared, routed=None, expert_out=None, exp
                                                  expert_weights, expanded_idx))
 
 
+# op class name -> its wrapper.  Keyed by ``op_name`` so this module never imports the ops'
+# module (``finalize`` imports this one, on first ``as_custom_op()``: one direction only).
+_WRAPPERS = {"FinalizeAllReduceRMSNorm": finalize_allreduce_rmsnorm, "LaneAllReduce": lane_allreduce}
+
+
 def bind(op):
     """A callable with the op's keyword signature that routes through its custom op."""
-    from .finalize import LaneAllReduce
-
+    fn = _WRAPPERS.get(getattr(op, "op_name", None))
+    if fn is None:
+        raise ValueError(f"op must be a FinalizeAllReduceRMSNorm or a LaneAllReduce, got {type(op).__name__}")
     register(op)
-    fn = lane_allreduce if isinstance(op, LaneAllReduce) else finalize_allreduce_rmsnorm
 
     def call(**tensors):
         return fn(op, **tensors)

@@ -12,7 +12,7 @@ import torch
 from . import _launch as L
 from .errors import K3TailError
 from .triton_kernels.exchange import CTRL_EPOCH, barrier_kernel, gather_cols_kernel
-from .workspace import comm_for, create_workspace, interpret_mode
+from .workspace import comm_for, create_workspace, interpret_mode, resolve_device
 
 _AREA_ALIGN = 256
 GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
@@ -48,6 +48,9 @@ class PeerExchange:
     trailing barrier: the outputs of call c are rewritten only after call c+1's B3, which every
     peer enters after gathering them.  Every rank must issue the same sequence of barriers.
 
+    ``device``: where the workspace lives (``workspace.resolve_device``: None means the group's
+    device; a gloo group with ``device="cuda"`` uses torch symmetric memory).
+
     Bounded waits: a barrier whose peer never arrives within ``timeout_s`` poisons the
     workspace; the host raises :class:`k3tail.PeerTimeout` (interpreter: from that call; GPU:
     from the next call or :meth:`check`), and every later call raises ``WorkspacePoisoned`` at
@@ -77,8 +80,9 @@ class PeerExchange:
         for name, size in areas.items():
             self.areas[name] = (off, size)
             off += _round_up(size)
+        dev = resolve_device(self.comm, device)  # ValueError naming device= before any collective
         self._agree(areas)
-        self.ws = ws = create_workspace(group, off, device=device, what=self.op_name)
+        self.ws = ws = create_workspace(group, off, device=dev, what=self.op_name)
         self.device = ws.device
         ws.local[:4 * W].zero_()  # flags start at epoch 0 (the region is armed with -0.0 bits)
         if ws.device.type == "cuda":

@@ -6,7 +6,9 @@ Lamport all-reduce over the group, and RMSNorm in the epilogue; fp32 (fp64 insid
 output, so every rank returns bit-identical results and the latent has the bits every other
 tier gives (DESIGN §3.3, §6).  World size 1 runs the same kernel without communication.
 
-``group=None`` without an initialized ``torch.distributed`` means world size 1.
+``group=None`` without an initialized ``torch.distributed`` means world size 1.  ``device=``
+(None: the group's device, ``workspace.resolve_device``; world size 1: the current CUDA device
+when there is one, else the CPU) places the workspace and every tensor of the op.
 
 Tactics (``tactics=`` dict, optional; must be identical on every rank).  A call runs in one
 of two shapes, chosen from M alone (so every rank chooses alike):
@@ -33,9 +35,10 @@ from .numerics import f32
 from .triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
 from .triton_kernels.lamport import NUM_STAGES
 
+from .workspace import comm_for, create_workspace, interpret_mode, resolve_device
+
 SQ_STRIDE = 64  # most slices (programs) per token
 TACTIC_KEYS = ("block", "num_warps", "slices", "slice_block", "slice_warps")
-from .workspace import comm_for, create_workspace, interpret_mode
 
 MAX_TOP_K = 64
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -79,17 +82,18 @@ class _FusedBase:
         self.routed_scale, self.dtype, self.timeout_s = float(routed_scale), dtype, float(timeout_s)
         self._scalars32 = (f32(routed_scale), f32(eps))  # what the kernel receives (numerics.py), rounded once
         W = self.world_size
+        # W > 1: the group's device unless device= names one; W = 1 needs no collective, so a
+        # world of one: the current CUDA device when there is one.  ValueError before allocating.
+        dev = resolve_device(self.comm if W > 1 else None, device)
         self.ws = None
         if W > 1:
             n32 = NUM_STAGES * W * max_tokens * width * 4
             n16 = NUM_STAGES * W * max_tokens * (width + self.sh) * 2
-            self.ws = create_workspace(group, n32 + n16, device=device, what=self.op_name,
+            self.ws = create_workspace(group, n32 + n16, device=dev, what=self.op_name,
                                        arm32=((0, n32),))
             self.device = self.ws.device
         else:
-            self.device = torch.device(device) if device is not None else (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                else torch.device("cpu"))
+            self.device = dev
         self.scratch = torch.empty(max_tokens, width, dtype=torch.float32, device=self.device)
         # per-slice fp64 statistics and per-token arrival counters (G > 1; local, not symmetric)
         self._sq = torch.zeros(max_tokens, SQ_STRIDE, dtype=torch.float64, device=self.device)

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from . import _launch as L
 from .tiers import TailCaps, Tier
-from .workspace import Comm, LoopbackGroup, create_workspace, interpret_mode
+from .workspace import Comm, LoopbackGroup, create_workspace, interpret_mode, resolve_device
 
 ENV_DISABLE_LATENT_TAIL = "K3TAIL_DISABLE_LATENT_TAIL"
 ENV_DISABLE_FUSED_AR = "K3TAIL_DISABLE_FUSED_AR"
@@ -117,14 +117,17 @@ def _pattern(src: int, dst: int) -> torch.Tensor:
 def probe_p2p(group, comm: Comm, device: torch.device, env=None) -> Tuple[int, int, str]:
     """Write/read through the peer table.  Returns ``(p2p, multicast, why_not)``.
 
-    Collective over the group (allocates the probe workspace; see the module docstring).
+    Collective over the group (allocates the probe workspace on ``device``, the device the
+    ops will use, not one guessed from the group's backend; see the module docstring).
     Never spins: remote stores, device sync, a host barrier, then a local check.
     """
     W = comm.world_size
     if W == 1:
         return 1, 0, ""
     nbytes = W * _SLOT * 4
-    ws = create_workspace(group, nbytes, device=device, what="k3tail.p2p_probe", arm32=((0, 4096),))
+    # on the op's device, never the group's guess (a gloo group of CUDA ranks: device="cuda")
+    dev = resolve_device(comm, device)
+    ws = create_workspace(group, nbytes, device=dev, what="k3tail.p2p_probe", arm32=((0, 4096),))
     ok, why = True, ""
     try:
         stream = comm.stream if isinstance(comm, LoopbackGroup) else None

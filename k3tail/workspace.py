@@ -35,15 +35,23 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from ._runtime import interpret_mode
+from ._sentinel import arm_region
+from .comm import Comm, DistComm, comm_for
 from .errors import K3TailError, WorkspacePoisoned
+from .loopback import LoopbackGroup, LoopbackWorld, _rank_streams
+
+# Re-exported: these names were defined here before the split (comm.py, loopback.py,
+# _sentinel.py, _runtime.py); ``from k3tail.workspace import X`` keeps working for each.
+__all__ = ["CTRL_WORDS", "SHM_PREFIX_ENV", "Comm", "DistComm", "LoopbackGroup", "LoopbackWorld",
+           "Workspace", "arm_region", "comm_for", "create_workspace", "interpret_mode",
+           "resolve_device", "_rank_streams"]
 
 log = logging.getLogger("k3tail")
 
@@ -52,23 +60,8 @@ _ALIGN = 4096
 SHM_PREFIX_ENV = "K3TAIL_SHM_PREFIX"
 
 
-def interpret_mode() -> bool:
-    """True when Triton kernels run in the interpreter (CPU ranks)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _round_up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-def arm_region(region: torch.Tensor, arm32=()) -> None:
-    """Fill a uint8 region with sentinels: 16-bit -0.0 everywhere, except the
-    ``(offset, nbytes)`` ranges of ``arm32`` (fp32 slots), which get the 32-bit -0.0."""
-    region.view(torch.int16).fill_(-32768)
-    for off, n in arm32:
-        if off % 4 or n % 4 or off + n > region.numel():
-            raise ValueError(f"fp32 slot range ({off}, {n}) misaligned or outside the region")
-        region[off:off + n].view(torch.int32).fill_(-(2 ** 31))
 
 
 def _check_not_capturing(what: str) -> None:
@@ -77,241 +70,18 @@ def _check_not_capturing(what: str) -> None:
                           "construct k3tail ops before CUDA-graph capture, not inside it")
 
 
-# --------------------------------------------------------------------------- comms
-class Comm:
-    """The few host-side collectives construction needs (vote, rendezvous, barrier)."""
-
-    rank: int
-    world_size: int
-
-    def all_reduce_min(self, values: Sequence[int]) -> List[int]:
-        raise NotImplementedError
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        raise NotImplementedError
-
-    def barrier(self) -> None:
-        raise NotImplementedError
-
-
-class DistComm(Comm):
-    """A ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
-        if not dist.is_initialized():
-            raise K3TailError("torch.distributed is not initialized: call init_process_group "
-                              "first, or pass a LoopbackWorld group")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.backend = dist.get_backend(group)
-        self.name = getattr(group, "group_name", None) if group is not None else dist.group.WORLD.group_name
-
-    def _device(self) -> torch.device:
-        """Where this group's own collectives put their tensors (NCCL: CUDA; gloo: CPU)."""
-        if "nccl" in str(self.backend):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def all_reduce_min(self, values):
-        t = torch.tensor(list(values), dtype=torch.int64, device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return [int(v) for v in t.cpu()]
-
-    def broadcast_object(self, obj, src=0):
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src)
-                                   if self.group is not None else src, group=self.group)
-        return box[0]
-
-    def barrier(self):
-        if self.backend == "nccl":
-            self.all_reduce_min([0])
-        else:
-            dist.barrier(group=self.group)
-
-
-def _rank_streams(device: torch.device, n: int) -> list:
-    """``n`` pooled streams that are neither the current stream nor torch.cuda.graph's default
-    capture stream (created here if torch has not made it yet, as torch would): the pool hands
-    out 32 streams per priority in turn, so after 32 a new stream can be an old one, and a rank
-    stream that is the capture stream would serialize the ranks behind a spinning kernel."""
-    if getattr(torch.cuda.graph, "default_capture_stream", "absent") is None:
-        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
-    cap = getattr(torch.cuda.graph, "default_capture_stream", None)
-    avoid = {torch.cuda.current_stream(device).cuda_stream}
-    if cap is not None and cap.device == device:
-        avoid.add(cap.cuda_stream)
-    out = []
-    for _ in range(n + 64):
-        if len(out) == n:
-            break
-        s = torch.cuda.Stream(device=device)
-        if s.cuda_stream not in avoid:
-            avoid.add(s.cuda_stream)
-            out.append(s)
-    if len(out) < n:
-        raise K3TailError(f"LoopbackWorld({n}): torch's stream pool has too few distinct streams for {n} "
-                          f"virtual ranks (32 per priority, less the current and the capture stream)")
-    return out
-
-
-class LoopbackWorld:
-    """W virtual ranks in one process on one GPU, each with its own stream.
-
-    ``world.group(r)`` is the ``group=`` argument for rank r's ops.  Construct the ops of
-    all ranks with :meth:`build` (one thread per rank, so construction-time collectives
-    such as the capability vote can meet), and call them with :meth:`run` (one host
-    thread issuing each rank's launches on that rank's stream, fork/joined with the
-    current stream so the whole thing can be captured into one CUDA graph).  All W
-    grids must be co-resident on the GPU: ops cap their grids with ``_launch.grid_cap``.
-    """
-
-    def __init__(self, world_size: int, device: Optional[torch.device] = None):
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not torch.cuda.is_available():
-            raise K3TailError("LoopbackWorld needs a CUDA GPU (the interpreter runs the programs "
-                              "of one process one after another, so virtual ranks would deadlock); "
-                              "use k3tail.spawn(device='cpu') for CPU ranks")
-        self.world_size = world_size
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        self.streams = _rank_streams(self.device, world_size)
-        self._lock = threading.Lock()
-        self._regions: dict = {}
-        self._barrier = threading.Barrier(world_size)
-        self._slots: List[Any] = [None] * world_size
-        self._groups = [LoopbackGroup(self, r) for r in range(world_size)]
-
-    def group(self, rank: int) -> "LoopbackGroup":
-        """Rank ``rank``'s group (the same object every time: it counts the rank's workspaces)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
-        return self._groups[rank]
-
-    def build(self, fn: Callable[[int], Any]) -> list:
-        """Run ``fn(rank)`` for every rank in its own thread (for collective construction)."""
-        results: List[Any] = [None] * self.world_size
-        errors: List[Any] = [None] * self.world_size
-
-        def body(r):
-            try:
-                torch.cuda.set_device(self.device)
-                results[r] = fn(r)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors[r] = e
-                self._barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self._barrier.reset()
-        for r, e in enumerate(errors):
-            if e is not None and not isinstance(e, threading.BrokenBarrierError):
-                raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
-        for r, e in enumerate(errors):
-            if e is not None:
-                raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
-        return results
-
-    def run(self, fn: Callable[[int], Any], warm: bool = True) -> list:
-        """Issue ``fn(rank)`` for every rank on that rank's stream; return the results.
-
-        Outside CUDA-graph capture, ``fn`` first runs once per rank with kernel launches
-        suppressed (``_launch.warm_only``), so every Triton variant is compiled and loaded
-        before any rank's kernel can spin (a module load blocks while one does).  ``fn``
-        must therefore only launch work (no host reads of its results).  ``warm=False``
-        skips that pass (timed loops whose every variant is already loaded: the pass would
-        run their torch ops a second time inside the measured interval).
-        """
-        cur = torch.cuda.current_stream(self.device)
-        if any(s.cuda_stream == cur.cuda_stream for s in self.streams):
-            raise K3TailError(
-                "LoopbackWorld.run: the current stream is one of the virtual ranks' streams (torch hands out "
-                "its pooled streams in turn, 32 per priority, so a stream made later, such as the default "
-                "capture stream of torch.cuda.graph, can be the same CUDA stream); a rank's spinning kernel "
-                "would then hold back the ranks launched after it.  Capture on a stream of your own: "
-                "torch.cuda.graph(g, stream=s) with s not in world.streams")
-        if warm and not torch.cuda.is_current_stream_capturing():
-            from ._launch import warm_only
-
-            with warm_only():
-                self._fan_out(cur, fn)
-        return self._fan_out(cur, fn)
-
-    def _fan_out(self, cur, fn) -> list:
-        """``fn(r)`` on rank r's stream, forked from and joined back into ``cur``.  Both passes
-        of :meth:`run` fork: the warm pass runs ``fn``'s torch ops for real, and without the
-        fork they read inputs that ``cur`` is still writing (seen on the H200: the finalize's
-        gather read a half-written ``expanded_idx`` of a fresh M = 8192 input and asserted)."""
-        out = []
-        for r, s in enumerate(self.streams):
-            s.wait_stream(cur)
-            with torch.cuda.stream(s):
-                out.append(fn(r))
-        for s in self.streams:
-            cur.wait_stream(s)
-        return out
-
-    # -- host collectives among the rank threads of build() ------------------------
-    def _exchange(self, rank: int, value: Any) -> List[Any]:
-        self._barrier.wait()
-        self._slots[rank] = value
-        self._barrier.wait()
-        vals = list(self._slots)
-        self._barrier.wait()
-        return vals
-
-    def _region(self, seq: int, nbytes: int, arm32=()) -> List[torch.Tensor]:
-        with self._lock:
-            if seq not in self._regions:
-                bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(self.world_size)]
-                for b in bufs:
-                    arm_region(b, arm32)
-                torch.cuda.synchronize(self.device)
-                self._regions[seq] = bufs
-            bufs = self._regions[seq]
-        if bufs[0].numel() != nbytes:
-            raise K3TailError(f"loopback workspace #{seq}: ranks asked for different sizes "
-                              f"({bufs[0].numel()} vs {nbytes}); ranks must build the same ops in the same order")
-        return bufs
-
-
-class LoopbackGroup(Comm):
-    """Rank ``rank`` of a :class:`LoopbackWorld`; pass it as ``group=``."""
-
-    def __init__(self, world: LoopbackWorld, rank: int):
-        self.world, self.rank, self.world_size = world, rank, world.world_size
-        self._seq = 0
-        self.name = f"loopback{world.world_size}"
-
-    def all_reduce_min(self, values):
-        rows = self.world._exchange(self.rank, list(values))
-        return [min(col) for col in zip(*rows)]
-
-    def broadcast_object(self, obj, src=0):
-        return self.world._exchange(self.rank, obj)[src]
-
-    def barrier(self):
-        self.world._exchange(self.rank, None)
-
-    @property
-    def stream(self) -> torch.cuda.Stream:
-        return self.world.streams[self.rank]
-
-
-def resolve_device(comm: Comm, device=None) -> torch.device:
+def resolve_device(comm: Optional[Comm], device=None) -> torch.device:
     """The device of an op's tensors and workspaces on ``comm`` (DESIGN §5; docs/integration.md).
 
     ``device`` given: that device (``"cuda"`` means the current CUDA device); a loopback group
     must be given its world's device.  ``None``: a loopback group's world device; a process
-    group whose backend carries CUDA tensors (NCCL) the current CUDA device; a world of one the
-    current CUDA device when CUDA is available; otherwise the CPU.  Never a guess from a CPU
-    group for CUDA tensors: an engine's gloo ``cpu_group`` gets the CPU unless ``device=`` says
-    otherwise.
+    group whose backend carries CUDA tensors (NCCL) the current CUDA device; a world of one
+    (``comm`` None or any other :class:`Comm`) the current CUDA device when CUDA is available;
+    otherwise the CPU.  Never a guess from a CPU group for CUDA tensors: an engine's gloo
+    ``cpu_group`` gets the CPU unless ``device=`` says otherwise.
+
+    Raises ``ValueError`` naming ``device`` for anything but a CPU or an existing CUDA device,
+    before the caller allocates anything.
     """
     if device is not None:
         try:
@@ -323,6 +93,8 @@ def resolve_device(comm: Comm, device=None) -> torch.device:
                 raise ValueError(f"device={device!r}: CUDA is not available here")
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
+            elif not 0 <= dev.index < torch.cuda.device_count():
+                raise ValueError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices here")
         elif dev.type != "cpu":
             raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
         if isinstance(comm, LoopbackGroup) and dev != comm.world.device:
@@ -336,13 +108,6 @@ def resolve_device(comm: Comm, device=None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def comm_for(group) -> Comm:
-    """The :class:`Comm` for a ``group=`` argument (None = the default process group)."""
-    if isinstance(group, Comm):
-        return group
-    return DistComm(group)
 
 
 # ----------------------------------------------------------------------- workspace
@@ -397,18 +162,17 @@ def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = Non
     """Allocate (collectively) a region of ``nbytes`` per rank and build its peer table.
 
     Every rank of ``group`` must call this in the same order with the same arguments.
-    The region is armed with 16-bit sentinels, except the ``(offset, nbytes)`` ranges in
+    ``device``: as :func:`resolve_device` says (None: the group's own device; a loopback
+    group's regions are always on its world's device).  The region is armed with 16-bit sentinels, except the ``(offset, nbytes)`` ranges in
     ``arm32`` (fp32 slots), before the closing barrier.
     """
     arm32 = tuple((int(o), int(n)) for o, n in arm32)
     _check_not_capturing(what)
     nbytes = _round_up(max(int(nbytes), 2))
     comm = comm_for(group)
+    device = resolve_device(comm, device)  # ValueError before anything is allocated
     if isinstance(comm, LoopbackGroup):
         return _loopback_workspace(comm, nbytes, arm32)
-    if device is None:
-        device = comm._device()
-    device = torch.device(device)
     if device.type == "cpu":
         return _shm_workspace(comm, nbytes, arm32)
     return _symm_mem_workspace(comm, nbytes, device, arm32)

@@ -1,0 +1,191 @@
+"""W virtual ranks in one process on one GPU (:class:`LoopbackWorld`), each on its own stream,
+all sharing one peer table; :class:`LoopbackGroup` is one rank's ``group=`` argument (a
+:class:`~k3tail.comm.Comm`).  Re-exported by ``k3tail.workspace``; the workspace backend that
+serves it is ``workspace._loopback_workspace`` (DESIGN §5)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from ._runtime import warm_only
+from ._sentinel import arm_region
+from .comm import Comm
+from .errors import K3TailError
+
+__all__ = ["LoopbackWorld", "LoopbackGroup"]
+
+
+def _rank_streams(device: torch.device, n: int) -> list:
+    """``n`` pooled streams that are neither the current stream nor torch.cuda.graph's default
+    capture stream (created here if torch has not made it yet, as torch would): the pool hands
+    out 32 streams per priority in turn, so after 32 a new stream can be an old one, and a rank
+    stream that is the capture stream would serialize the ranks behind a spinning kernel."""
+    if getattr(torch.cuda.graph, "default_capture_stream", "absent") is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    cap = getattr(torch.cuda.graph, "default_capture_stream", None)
+    avoid = {torch.cuda.current_stream(device).cuda_stream}
+    if cap is not None and cap.device == device:
+        avoid.add(cap.cuda_stream)
+    out = []
+    for _ in range(n + 64):
+        if len(out) == n:
+            break
+        s = torch.cuda.Stream(device=device)
+        if s.cuda_stream not in avoid:
+            avoid.add(s.cuda_stream)
+            out.append(s)
+    if len(out) < n:
+        raise K3TailError(f"LoopbackWorld({n}): torch's stream pool has too few distinct streams for {n} "
+                          f"virtual ranks (32 per priority, less the current and the capture stream)")
+    return out
+
+
+class LoopbackWorld:
+    """W virtual ranks in one process on one GPU, each with its own stream.
+
+    ``world.group(r)`` is the ``group=`` argument for rank r's ops.  Construct the ops of
+    all ranks with :meth:`build` (one thread per rank, so construction-time collectives
+    such as the capability vote can meet), and call them with :meth:`run` (one host
+    thread issuing each rank's launches on that rank's stream, fork/joined with the
+    current stream so the whole thing can be captured into one CUDA graph).  All W
+    grids must be co-resident on the GPU: ops cap their grids with ``_launch.grid_cap``.
+    """
+
+    def __init__(self, world_size: int, device: Optional[torch.device] = None):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not torch.cuda.is_available():
+            raise K3TailError("LoopbackWorld needs a CUDA GPU (the interpreter runs the programs "
+                              "of one process one after another, so virtual ranks would deadlock); "
+                              "use k3tail.spawn(device='cpu') for CPU ranks")
+        self.world_size = world_size
+        dev = torch.device(device) if device is not None else torch.device("cuda")
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for a LoopbackWorld, got {dev}")
+        self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.streams = _rank_streams(self.device, world_size)
+        self._lock = threading.Lock()
+        self._regions: dict = {}
+        self._barrier = threading.Barrier(world_size)
+        self._slots: List[Any] = [None] * world_size
+        self._groups = [LoopbackGroup(self, r) for r in range(world_size)]
+
+    def group(self, rank: int) -> "LoopbackGroup":
+        """Rank ``rank``'s group (the same object every time: it counts the rank's workspaces)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+        return self._groups[rank]
+
+    def build(self, fn: Callable[[int], Any]) -> list:
+        """Run ``fn(rank)`` for every rank in its own thread (for collective construction)."""
+        results: List[Any] = [None] * self.world_size
+        errors: List[Any] = [None] * self.world_size
+
+        def body(r):
+            try:
+                torch.cuda.set_device(self.device)
+                results[r] = fn(r)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors[r] = e
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._barrier.reset()
+        for r, e in enumerate(errors):
+            if e is not None and not isinstance(e, threading.BrokenBarrierError):
+                raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
+        for r, e in enumerate(errors):
+            if e is not None:
+                raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
+        return results
+
+    def run(self, fn: Callable[[int], Any], warm: bool = True) -> list:
+        """Issue ``fn(rank)`` for every rank on that rank's stream; return the results.
+
+        Outside CUDA-graph capture, ``fn`` first runs once per rank with kernel launches
+        suppressed (``_launch.warm_only``), so every Triton variant is compiled and loaded
+        before any rank's kernel can spin (a module load blocks while one does).  ``fn``
+        must therefore only launch work (no host reads of its results).  ``warm=False``
+        skips that pass (timed loops whose every variant is already loaded: the pass would
+        run their torch ops a second time inside the measured interval).
+        """
+        cur = torch.cuda.current_stream(self.device)
+        if any(s.cuda_stream == cur.cuda_stream for s in self.streams):
+            raise K3TailError(
+                "LoopbackWorld.run: the current stream is one of the virtual ranks' streams (torch hands out "
+                "its pooled streams in turn, 32 per priority, so a stream made later, such as the default "
+                "capture stream of torch.cuda.graph, can be the same CUDA stream); a rank's spinning kernel "
+                "would then hold back the ranks launched after it.  Capture on a stream of your own: "
+                "torch.cuda.graph(g, stream=s) with s not in world.streams")
+        if warm and not torch.cuda.is_current_stream_capturing():
+            with warm_only():
+                self._fan_out(cur, fn)
+        return self._fan_out(cur, fn)
+
+    def _fan_out(self, cur, fn) -> list:
+        """``fn(r)`` on rank r's stream, forked from and joined back into ``cur``.  Both passes
+        of :meth:`run` fork: the warm pass runs ``fn``'s torch ops for real, and without the
+        fork they read inputs that ``cur`` is still writing (seen on the H200: the finalize's
+        gather read a half-written ``expanded_idx`` of a fresh M = 8192 input and asserted)."""
+        out = []
+        for r, s in enumerate(self.streams):
+            s.wait_stream(cur)
+            with torch.cuda.stream(s):
+                out.append(fn(r))
+        for s in self.streams:
+            cur.wait_stream(s)
+        return out
+
+    # -- host collectives among the rank threads of build() ------------------------
+    def _exchange(self, rank: int, value: Any) -> List[Any]:
+        self._barrier.wait()
+        self._slots[rank] = value
+        self._barrier.wait()
+        vals = list(self._slots)
+        self._barrier.wait()
+        return vals
+
+    def _region(self, seq: int, nbytes: int, arm32=()) -> List[torch.Tensor]:
+        with self._lock:
+            if seq not in self._regions:
+                bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                        for _ in range(self.world_size)]
+                for b in bufs:
+                    arm_region(b, arm32)
+                torch.cuda.synchronize(self.device)
+                self._regions[seq] = bufs
+            bufs = self._regions[seq]
+        if bufs[0].numel() != nbytes:
+            raise K3TailError(f"loopback workspace #{seq}: ranks asked for different sizes "
+                              f"({bufs[0].numel()} vs {nbytes}); ranks must build the same ops in the same order")
+        return bufs
+
+
+class LoopbackGroup(Comm):
+    """Rank ``rank`` of a :class:`LoopbackWorld`; pass it as ``group=``."""
+
+    def __init__(self, world: LoopbackWorld, rank: int):
+        self.world, self.rank, self.world_size = world, rank, world.world_size
+        self._seq = 0
+        self.name = f"loopback{world.world_size}"
+
+    def all_reduce_min(self, values):
+        rows = self.world._exchange(self.rank, list(values))
+        return [min(col) for col in zip(*rows)]
+
+    def broadcast_object(self, obj, src=0):
+        return self.world._exchange(self.rank, obj)[src]
+
+    def barrier(self):
+        self.world._exchange(self.rank, None)
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        return self.world.streams[self.rank]
