@@ -40,7 +40,8 @@ from typing import List
 import torch
 
 # The implementation lives in three modules; every name importable from here before the split
-# still is (callers and tests use e.g. B._Rig, B.bench_world, B._caps_dict, B.time_graph).
+# still is (callers and tests use e.g. B._Rig, B.bench_world, B._caps_dict; tests replace the timers on
+# k3tail.bench_timing, where bench_world looks them up).
 from .bench_results import (REPO_ROOT, TIER_COLORS, _jsonable, _pyplot, _save_figure,  # noqa: F401
                             git_commit, line_plot, log, results_meta, tier_map_plot, write_results)
 from .bench_rig import (DTYPES, GRAPH_ONLY, _caps_dict, _gen, _Rig, _tier_enum, bench_world,  # noqa: F401

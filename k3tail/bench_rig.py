@@ -2,7 +2,7 @@
 :func:`bench_world` (every possible tier timed at every M, with the bytes it moves).
 
 Split out of :mod:`k3tail.bench` (which re-exports every name here).  :func:`bench_world` looks
-up ``time_graph`` / ``time_eager`` on :mod:`k3tail.bench` at call time, so whoever replaces them
+up ``time_graph`` / ``time_eager`` on :mod:`k3tail.bench_timing` at call time, so whoever replaces them
 there (the CPU tests' fake timers) reaches every point timed here.
 """
 
@@ -163,7 +163,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
     def out_of_time() -> bool:
         return deadline is not None and bool(_rank_uniform_int(int(time.perf_counter() > deadline)))
 
-    from . import bench as _bench  # the timers, looked up at call time (see the module docstring)
+    from . import bench_timing as _bench  # the timers, looked up at call time (see the module docstring)
     from . import traffic
 
     time_graph, time_eager = _bench.time_graph, _bench.time_eager

@@ -313,10 +313,8 @@ class PeerCollectives(Collectives):
         self.comm, self.chunk = comm, chunk
         self._ar = {w: PeerFp32AllReduce(comm, width=w, chunk=chunk, timeout_s=timeout_s, device=device)
                     for w in dict.fromkeys((latent, hidden))}
-        # TODO(device): pass device= once OneShotAllReduce takes it (a gloo group on CUDA needs it)
         self._gather = OneShotAllReduce(comm, max_tokens=chunk, width=hidden, dtype=dtype, timeout_s=timeout_s,
-                                        **({"device": device} if device.type == "cuda" and
-                                           not isinstance(comm, LoopbackGroup) else {}))
+                                        device=device)
         self.hidden = hidden
         if large_m:
             bl, bh = shard_bounds(latent, W), shard_bounds(hidden, W)

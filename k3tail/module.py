@@ -239,7 +239,8 @@ class K3MoETail(TierPaths, nn.Module):
                 self._tail = LatentTail(group, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
                                         routed_scale=cfg.routed_scale, max_tokens=alloc_caps.tail_fusion_max_tokens,
                                         dtype=cfg.dtype, key=prefix, pool_depth=pool_depth,
-                                        timeout_s=self.timeout_s, tactics=tactics.get("LatentTail"))
+                                        timeout_s=self.timeout_s, tactics=tactics.get("LatentTail"),
+                                        device=self.device)
             if alloc_caps.fused_ar and alloc_caps.lane_max_tokens > 0:
                 from .finalize import LaneAllReduce
                 self._lane = LaneAllReduce(group, latent=cfg.latent, hidden=cfg.hidden,

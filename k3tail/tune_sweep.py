@@ -3,7 +3,7 @@ coordinate descent over a kernel's tactic space (:func:`sweep_kernel`) within a 
 :class:`Budget`.
 
 Split out of :mod:`k3tail.tune` (which re-exports every name here).  Timing goes through
-``k3tail.bench.time_graph``, looked up at call time.
+``k3tail.bench_timing.time_graph``, looked up at call time.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import bench as B
+from . import bench_timing as BT
 from .tune_specs import Spec
 
 
@@ -45,7 +46,7 @@ def evaluate(spec: Spec, world, cfg, tactic: dict, ms: Sequence[int], *, tag: st
     try:
         for M in ms:
             step = spec.step_for(world, ops, cfg, M, seed)
-            res = B.time_graph(step, budget_s=budget_s, min_replays=20, max_replays=300)
+            res = BT.time_graph(step, budget_s=budget_s, min_replays=20, max_replays=300)
             us[M] = res["median_us"]
             del step
         for op in ops:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from k3tail import bench as B
+from k3tail import bench_timing as BT
 from k3tail import tune as TU
 
 REPO = Path(__file__).resolve().parent.parent
@@ -321,8 +322,8 @@ def test_bench_world_control_flow_with_fakes(monkeypatch, tmp_path):
     from k3tail.tiers import TailCaps
 
     rng = iter(range(1, 10_000))
-    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: float(next(rng))))
-    monkeypatch.setattr(B, "time_eager", _fake_timer(lambda: float(next(rng))))
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: float(next(rng))))
+    monkeypatch.setattr(BT, "time_eager", _fake_timer(lambda: float(next(rng))))
     caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
     rig = _FakeRig(caps)
     res = B.bench_world(rig, [1, 16, 64], tiers=None, phases=["graph", "eager"], deferred=True, budget_s=0.01,
@@ -383,7 +384,7 @@ def test_tune_coordinate_descent_with_fakes(monkeypatch):
     def cost():
         t = _FakeSpec.current
         return 10.0 + abs(t["a"] - 3) * 5 + (0 if t["b"] == 10 else 7)
-    monkeypatch.setattr(B, "time_graph", _fake_timer(cost))
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(cost))
 
     class W2:
         world_size = 2
@@ -429,7 +430,7 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
             self.world_size = W
     monkeypatch.setattr(WS, "LoopbackWorld", FakeWorld)
     monkeypatch.setattr(TU, "SPECS", {"Fake": _FakeSpec()})
-    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
 
     def fake_cross(world, cfg_kwargs, ms, **kw):
         # the tiers are timed with the tactics just tuned for this W
@@ -489,8 +490,8 @@ def test_tune_plot_without_worlds_draws_nothing(tmp_path):
 def test_bench_world_deadline_skips_points(monkeypatch):
     from k3tail.tiers import TailCaps
 
-    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 1.0))
-    monkeypatch.setattr(B, "time_eager", _fake_timer(lambda: 1.0))
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 1.0))
+    monkeypatch.setattr(BT, "time_eager", _fake_timer(lambda: 1.0))
     rig = _FakeRig(TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8))
     res = B.bench_world(rig, [1, 2], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
                         deadline=0.0, progress=print)
@@ -506,8 +507,8 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
                                                           "torch": "t", "triton": "3.6.0", **kw})
-    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 5.0))
-    monkeypatch.setattr(B, "time_eager", _fake_timer(lambda: 7.0))
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 5.0))
+    monkeypatch.setattr(BT, "time_eager", _fake_timer(lambda: 7.0))
     caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
     closed = []
 
@@ -545,7 +546,7 @@ def test_bench_main_builds_the_large_m_baseline_only_where_the_module_takes_it(m
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
                                                           "torch": "t", "triton": "3.6.0", **kw})
-    monkeypatch.setattr(B, "time_graph", _fake_timer(lambda: 5.0))
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 5.0))
     monkeypatch.setattr(B, "module_accepts", lambda name: accepts)
     built = []
 

@@ -3,6 +3,7 @@
 import torch
 
 from k3tail import bench as B
+from k3tail import bench_timing as BT
 from k3tail import traffic as T
 
 K3 = dict(L=3584, H=7168)
@@ -79,8 +80,8 @@ def test_bench_world_records_bytes_and_times_the_old_large_m_path(monkeypatch):
         (warm_step or step)(0)
         return {**B.summarize([10.0, 11.0]), "calls": 1, "replays": 2}
 
-    monkeypatch.setattr(B, "time_graph", timer)
-    monkeypatch.setattr(B, "time_eager", timer)
+    monkeypatch.setattr(BT, "time_graph", timer)
+    monkeypatch.setattr(BT, "time_eager", timer)
     caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
     rig, old = _Rig(caps, "sharded"), _Rig(caps, "allreduce")
     res = B.bench_world(rig, [4, 32], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
@@ -105,7 +106,7 @@ def test_bench_json_carries_the_readme_bytes_at_w8(monkeypatch):
         (warm_step or step)(0)
         return {**B.summarize([10.0]), "calls": 1, "replays": 1}
 
-    monkeypatch.setattr(B, "time_graph", timer)
+    monkeypatch.setattr(BT, "time_graph", timer)
     caps = TailCaps(fused_ar=True, lane_max_tokens=64)
     rig = _Rig(caps, "sharded", W=8)
     res = B.bench_world(rig, [64, 1024, 8192], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False,
