@@ -3,7 +3,10 @@
 # command line (default: tests).  Phases: tests, bench, prefill, tiermap, tune, cli.  Logs and results go to $OUT.
 #   bash bench/gpu_check.sh tests
 #   bash bench/gpu_check.sh bench cli
+#   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
+#   commit being measured, or the result files record the wrong one)
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+[ -n "${K3TAIL_COMMIT:-}" ] && export K3TAIL_COMMIT || echo "note: K3TAIL_COMMIT unset; results record the copy's git HEAD"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash bench/gpu_smoke.sh
 phases=${*:-tests}
