@@ -189,7 +189,8 @@ class K3MoETail(TierPaths, nn.Module):
             agreed_t = tuning.agreed_tactics(self.comm, device=self.device, table=tactics_table)
             self.tactics_source = agreed_t.table.source
             shape = tuning.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
-            cross = agreed_t.crossovers(shape=shape, warn=False)
+            # crossovers measured in loopback apply to loopback worlds only (tuning.crossovers)
+            cross = agreed_t.crossovers(shape=shape, warn=False, loopback=self.loopback if W > 1 else None)
             upd = {k: min(getattr(caps, k), int(v)) for k, v in cross.items()
                    if k.endswith("max_tokens") and hasattr(caps, k)}
             if "multimem_min_tokens" in cross:

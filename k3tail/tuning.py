@@ -295,15 +295,23 @@ def lookup(table: TacticTable, kernel: str, *, device_name: str, sm: str, triton
 
 
 def crossovers(table: TacticTable, *, device_name: str, sm: str, triton: str, world_size: int,
-               shape: str, warn: bool = True) -> Dict[str, int]:
+               shape: str, warn: bool = True, loopback: Optional[bool] = None) -> Dict[str, int]:
     """The measured tier thresholds for this key (TailCaps field names -> int), or ``{}`` when the
-    table has none (logged once per key if ``warn``).  Apply them as ``min(capacity, value)``."""
+    table has none (logged once per key if ``warn``).  Apply them as ``min(capacity, value)``.
+
+    ``loopback``: the kind of world asking.  Thresholds measured in loopback (``info.loopback``:
+    W ranks time-share one GPU, the spinning Lamport kernels get half its SMs) do not carry over to
+    W processes on W GPUs, nor the other way round: a world of the other kind gets ``{}`` and runs
+    with its capacities (entries that do not say how they were measured apply to both)."""
     key = make_key(CROSSOVER_KERNEL, device_name=device_name, sm=sm, triton=triton,
                    world_size=world_size, shape=shape)
     rec = table.entries.get(key) if table is not None else None
     if rec is None:
         if warn:
             _warn_once(key, "tier crossovers", {"(selector thresholds)": "capacities"})
+        return {}
+    measured = (rec.get("info") or {}).get("loopback")
+    if loopback is not None and measured is not None and bool(measured) != bool(loopback):
         return {}
     return {k: int(v) for k, v in rec["tactic"].items() if k in CROSSOVER_FIELDS and v is not None}
 
@@ -342,8 +350,9 @@ class Tactics:
     def get(self, kernel: str, *, shape: str, default: Mapping[str, Any]) -> Dict[str, Any]:
         return lookup(self.table, kernel, world_size=self.world_size, shape=shape, default=default, **self.fields)
 
-    def crossovers(self, *, shape: str, warn: bool = True) -> Dict[str, int]:
-        return crossovers(self.table, world_size=self.world_size, shape=shape, warn=warn, **self.fields)
+    def crossovers(self, *, shape: str, warn: bool = True, loopback: Optional[bool] = None) -> Dict[str, int]:
+        return crossovers(self.table, world_size=self.world_size, shape=shape, warn=warn, loopback=loopback,
+                          **self.fields)
 
 
 def agreed_tactics(group=None, *, device=None, table: Optional[TacticTable] = None,

@@ -182,3 +182,17 @@ def test_k3moetail_takes_op_tactics_from_the_agreed_table():
     assert mod._proj_tactics == {"triton_max_m": 0, "block_n": 32}
     mod2 = K3MoETail(cfg, prefix="tuning.op.1", tactics_table=table, tactics={"project": {"block_n": 64}})
     assert mod2._proj_tactics == {"triton_max_m": 0, "block_n": 64}
+
+
+def test_loopback_crossovers_apply_to_loopback_worlds_only():
+    """Tier thresholds measured in loopback (W ranks time-share one GPU) must not steer W processes on
+    W GPUs, nor the other way round; entries that do not say how they were measured apply to both."""
+    fields = dict(device_name="GPU-X", sm="9.0", triton="3.6.0")
+    key = T.make_key(T.CROSSOVER_KERNEL, world_size=4, shape="S", **fields)
+    for info, want in (({"loopback": True}, (True,)), ({"loopback": False}, (False,)), ({}, (True, False))):
+        table = T.TacticTable(entries={key: {"tactic": {"lane_max_tokens": 7, "large_m_min_tokens": 3},
+                                             "info": dict(info)}})
+        for lb in (True, False):
+            got = T.crossovers(table, world_size=4, shape="S", warn=False, loopback=lb, **fields)
+            assert got == ({"lane_max_tokens": 7, "large_m_min_tokens": 3} if lb in want else {}), (info, lb, got)
+        assert T.crossovers(table, world_size=4, shape="S", warn=False, **fields)["large_m_min_tokens"] == 3
