@@ -108,8 +108,11 @@ def crossover_thresholds(points: List[Dict[str, Any]], caps_alloc: Dict[str, Any
         sharded = any(p.get("tier") == LARGE_M_TIER for p in points)
     tf_cap = int(caps_alloc.get("tail_fusion_max_tokens") or 0)
     if tf_cap:
-        alt = "FUSED_LANE_AR" if caps_alloc.get("fused_ar") else "SEPARATE_REDUCE"
-        wins = _wins(t, "TAIL_FUSION", (alt,), [m for m in ms if m <= tf_cap])
+        # TAIL_FUSION must beat what the selector would run in its place: the lane or SEPARATE_REDUCE,
+        # and, where the sharded rig ran, the sharded path (FUSED_LANE_AR above the tuned lane capacity)
+        alt = ("FUSED_LANE_AR" if caps_alloc.get("fused_ar") else "SEPARATE_REDUCE",) + ((LARGE_M_TIER,) if sharded
+                                                                                          else ())
+        wins = _wins(t, "TAIL_FUSION", alt, [m for m in ms if m <= tf_cap])
         if wins:
             out["tail_fusion_max_tokens"] = prefix_threshold(wins, tf_cap)
     lane_cap = int(caps_alloc.get("lane_max_tokens") or 0)

@@ -218,3 +218,18 @@ def test_bench_tier_ranges_and_kind_with_the_sharded_path():
     assert "FUSED_LANE_AR" not in B.tier_ranges(TailCaps(), cfg)
     assert B.large_m_kind(types.SimpleNamespace(large_m="sharded")) == "sharded"
     assert B.large_m_kind(object()) == "allreduce"  # a module before the sharded path
+
+
+def test_tail_fusion_threshold_holds_against_the_sharded_path():
+    """Where the sharded rig ran, TAIL_FUSION keeps an M only if it also beats the sharded path there."""
+    from k3tail.tune_crossovers import LARGE_M_TIER, crossover_thresholds
+
+    us = {1: (30, 80, 130, 120), 4: (70, 140, 135, 150), 16: (180, 260, 150, 270)}  # TAIL, LANE, SHARDED, SEP
+    pts = [{"tier": tier, "M": m, "phase": "graph", "median_us": float(v), "p99_us": float(v)}
+           for m, row in us.items()
+           for tier, v in zip(("TAIL_FUSION", "FUSED_LANE_AR", LARGE_M_TIER, "SEPARATE_REDUCE"), row)]
+    caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 16}
+    th = crossover_thresholds(pts, caps, sharded=True)
+    assert th["tail_fusion_max_tokens"] == 4  # beaten by the sharded path at 16
+    no_sharded = [p for p in pts if p["tier"] != LARGE_M_TIER]
+    assert crossover_thresholds(no_sharded, caps, sharded=False)["tail_fusion_max_tokens"] == 16
