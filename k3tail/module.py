@@ -175,6 +175,7 @@ class K3MoETail(TierPaths, nn.Module):
                               tail_max_tokens=_tail_capacity(cfg))
         agreed = run_vote(self.comm, probes)
         alloc_caps, why_not = caps_from(agreed)
+        lane_why_not = why_not.get(Tier.FUSED_LANE_AR)  # why the Lamport lane itself is off (None: it is on)
         if large_m == "sharded":  # the sharded path needs no P2P: FUSED_LANE_AR is possible for every M
             alloc_caps = dataclasses.replace(alloc_caps, large_m=True)
             why_not.pop(Tier.FUSED_LANE_AR, None)
@@ -219,7 +220,7 @@ class K3MoETail(TierPaths, nn.Module):
             "local": dict(probes.values), "local_why": dict(probes.why), "agreed": dict(agreed),
             "caps": dataclasses.asdict(caps),
             "possible": [t.name for t in Tier if t not in why_not],
-            "why_not": {t.name: w for t, w in why_not.items()},
+            "why_not": {t.name: w for t, w in why_not.items()}, "lane_why_not": lane_why_not,
             "tactics_table": self.tactics_source,
         }
         key = (getattr(self.comm, "name", ""), W, tuple(sorted(agreed.items())))

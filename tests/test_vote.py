@@ -33,7 +33,8 @@ def _vote_worker(rank, W):
         m = k3tail.K3MoETail(cfg, prefix=f"vote.{name}", **kw)
         tiers = [int(m.tier_for(M, gp)) for M in range(0, cfg.max_tokens + 1) for gp in (False, True)]
         out[name] = dict(caps=m.caps, tiers=tiers, n_votes=len(votes) - n0, local=m.negotiated["local"],
-                         why_not=m.negotiated["why_not"], possible=m.negotiated["possible"])
+                         why_not=m.negotiated["why_not"], possible=m.negotiated["possible"],
+                         lane_why_not=m.negotiated["lane_why_not"])
         return m
 
     build("base", lane_max_tokens=8 + rank)  # rank-divergent capacity: MIN wins
@@ -69,7 +70,8 @@ def test_rank_divergent_probes_agree():
         print(name, res[0][name]["caps"], res[0][name]["possible"])
     base, no_tail, no_p2p = (res[0][n] for n in ("base", "no_tail", "no_p2p"))
     assert base["caps"] == TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8,
-                                    multimem_max_tokens=40)
+                                    multimem_max_tokens=40, large_m=True)
+    assert base["lane_why_not"] is None
     assert set(base["possible"]) == {"TAIL_FUSION", "FUSED_LANE_AR", "SEPARATE_REDUCE"}
     # one rank's env disables the latent tail: off everywhere, the lane stays
     assert no_tail["caps"].tail_fusion_max_tokens == 0 and no_tail["caps"].fused_ar
@@ -81,8 +83,10 @@ def test_rank_divergent_probes_agree():
     # one rank's P2P probe fails: every Lamport tier off everywhere
     assert res[2]["no_p2p"]["local"]["p2p"] == 0 and res[0]["no_p2p"]["local"]["p2p"] == 1
     assert no_p2p["caps"].tail_fusion_max_tokens == 0 and not no_p2p["caps"].fused_ar
-    assert set(no_p2p["tiers"]) == {int(Tier.SEPARATE_REDUCE)}
-    assert "P2P" in no_p2p["why_not"]["FUSED_LANE_AR"]
+    assert set(no_p2p["tiers"]) == {int(Tier.SEPARATE_REDUCE)}  # every M here is below large_m_min_tokens
+    assert no_p2p["caps"].large_m and max(range(CFG["max_tokens"] + 1)) < no_p2p["caps"].large_m_min_tokens
+    # the lane is off for want of P2P; FUSED_LANE_AR stays possible through the sharded large-M path
+    assert "P2P" in no_p2p["lane_why_not"] and "FUSED_LANE_AR" in no_p2p["possible"]
 
 
 def _agreed(**over):
