@@ -37,6 +37,8 @@ and gathers copy: 16-bit data travels in its own dtype and is never summed by a 
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -48,6 +50,7 @@ from .errors import K3TailError
 from .prefill import ordered_sum, pack_shards
 from .triton_kernels.allreduce import oneshot_allreduce_kernel
 from .triton_kernels.lamport import NUM_STAGES
+from .loopback import group_identity
 from .workspace import DistComm, LoopbackGroup, create_workspace, interpret_mode
 
 PEER_CHUNK = 64  # rows per launch of the peer kind's one-shot all-reduce / gather
@@ -378,9 +381,28 @@ def collectives_kind(comm, device: torch.device, *, exchange: str, p2p: bool) ->
     return "peer"
 
 
+_peer_pool: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_peer_lock = threading.Lock()
+
+
 def make_collectives(kind: str, comm, device, **kw) -> Collectives:
+    """The module's collectives.  The peer kind's workspaces (about ``max_tokens * (4 L + e H)``
+    bytes per rank with the large-M areas: 245 MiB at K3, M = 8192, W = 8) are shared by every module of
+    the same world, device and shape while any of them lives: the large-M call sequence leaves
+    every area free for the next call whichever module makes it (the argument is the one for
+    consecutive calls of one module, ``k3tail.tier_paths``), and the Lamport collectives only
+    need every rank to launch in the same order, which the layers do.  Collective: every rank
+    must construct its modules in the same order (a rank that hits the pool where another
+    allocates would strand it)."""
     if kind == "solo":
         return SoloCollectives(device)
     if kind == "group":
         return GroupCollectives(comm, device)
-    return PeerCollectives(comm, device, **kw)
+    key = (group_identity(comm), comm.world_size, str(device), tuple(sorted((k, str(v)) for k, v in kw.items())))
+    with _peer_lock:
+        coll = _peer_pool.get(key)
+    if coll is None:
+        coll = PeerCollectives(comm, device, **kw)
+        with _peer_lock:
+            _peer_pool[key] = coll
+    return coll

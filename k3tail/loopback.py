@@ -189,3 +189,15 @@ class LoopbackGroup(Comm):
     @property
     def stream(self) -> torch.cuda.Stream:
         return self.world.streams[self.rank]
+
+
+def group_identity(comm) -> tuple:
+    """A hashable name of ``comm``'s world and rank, for process-wide pools of collective
+    allocations (``k3tail.tail``'s mailbox pool, ``k3tail.collectives``' peer collectives): every
+    rank must reach the same pool entries in the same order (collective construction)."""
+    if isinstance(comm, LoopbackGroup):
+        return ("loopback", id(comm.world), comm.rank)
+    if comm is None:
+        return ("local",)
+    return ("dist", getattr(comm, "name", None), comm.rank)
+

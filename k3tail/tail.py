@@ -39,8 +39,9 @@ from .tail_launch import (_CNT_B, _MAX_GEMV_M, _MAX_GEMV_ROWS, _MAX_NUMEL, _MAX_
                           _SQ_STRIDE, _b_constexprs, _check_tactics, _default_tactics, _launch_b,
                           _standalone, shard_gemm)
 from .triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
-from .workspace import (LoopbackGroup, Workspace, arm_region, comm_for, create_workspace,
-                        interpret_mode, resolve_device, CTRL_WORDS)
+from .loopback import group_identity
+from .workspace import (Workspace, arm_region, comm_for, create_workspace, interpret_mode, resolve_device,
+                        CTRL_WORDS)
 
 __all__ = ["LatentTail", "shard_gemm", "workspace_layout"]
 
@@ -97,14 +98,6 @@ class _Pool:
 
 _pools: dict = {}
 _pools_lock = threading.Lock()
-
-
-def _group_identity(group, comm) -> tuple:
-    if isinstance(comm, LoopbackGroup):
-        return ("loopback", id(comm.world), comm.rank)
-    if comm is None:
-        return ("local",)
-    return ("dist", getattr(comm, "name", None), comm.rank)
 
 
 def _local_workspace(nbytes: int, device: torch.device, arm32) -> Workspace:
@@ -227,7 +220,7 @@ class LatentTail:
 
     # ------------------------------------------------------------------ pool
     def _acquire_set(self, dev: torch.device) -> _Set:
-        ident = _group_identity(self.group, self.comm)
+        ident = group_identity(self.comm)
         pkey = (ident, str(dev), self.world_size, self.hidden, self.latent, self.max_tokens, self.dtype,
                 self.pool_depth)
         with _pools_lock:

@@ -254,3 +254,28 @@ def test_large_m_loopback_gpu(W):
         assert all(m["sharded_peer"].sharded_calls >= 1 for m in mods_r)
         print(check_case(outs, cfg, M, W, form, seed=M, what=f"loopback W={W} M={M} {form}",
                          fp64_check=M <= 1024))
+
+
+def _shared_pool_worker(rank, W):
+    cfg = k3tail.TailConfig(max_tokens=16, **SMALL)
+    a = _build(cfg, None, "pool.a", exchange="peer", tactics=CPU_TACTICS)
+    b = _build(cfg, None, "pool.b", exchange="peer", tactics=CPU_TACTICS)
+    c = _build(dataclasses.replace(cfg, max_tokens=12), None, "pool.c", exchange="peer", tactics=CPU_TACTICS)
+    ref = _build(cfg, None, "pool.ref", large_m="allreduce", tactics=CPU_TACTICS)
+    same = a.coll is b.coll and a.coll is not c.coll
+    outs = []
+    for mod, M, seed in ((a, 9, 11), (b, 16, 12), (a, 12, 13), (c, 10, 14), (b, 9, 15)):
+        x = _inputs(cfg, M, W, rank, "triple", seed)
+        outs.append((mod(tier=Tier.FUSED_LANE_AR, **x), ref(tier=Tier.FUSED_LANE_AR, **x)))
+    return same, outs, a.sharded_calls + b.sharded_calls + c.sharded_calls
+
+
+def test_large_m_modules_share_peer_areas_cpu():
+    """Modules of one world and shape share the peer collectives (one set of symmetric areas, not one
+    per layer); interleaved calls of different layers stay exact (the areas are free after each call)."""
+    res = k3tail.spawn(2, _shared_pool_worker, timeout=300)
+    for same, outs, calls in res:
+        assert same and calls == 5
+        for i, (got, want) in enumerate(outs):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"call {i}"
+            assert torch.equal(got.view(torch.int16), res[0][1][i][0].view(torch.int16))
