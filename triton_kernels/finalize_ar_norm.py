@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (canonicalize, finish_launch, is_poisoned, now_ns, rearm, round_to, wait_ready)
-from .numerics import finalize32, rank_sum64, rms_rstd, sq64
+from .numerics import rank_sum64, rms_rstd, routed32, sq64
 
 
 @triton.jit
@@ -90,12 +90,7 @@ def _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr
                    HAS_SCALE: tl.constexpr, SHARED_ADD: tl.constexpr):
     """This rank's fp32 partial for columns ``col`` of token ``t`` (``numerics.py``)."""
     t64 = t.to(tl.int64)
-    if FINALIZE:
-        acc = finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH, TOP_K)
-    else:
-        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        acc = acc * scale
+    acc = routed32(t64, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE)
     if SHARED_ADD:
         acc += tl.load(shared_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
     return acc

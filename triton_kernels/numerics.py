@@ -69,6 +69,20 @@ def finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH: tl.constexpr, TOP
 
 
 @triton.jit
+def routed32(t64, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, scale, WIDTH: tl.constexpr,
+             TOP_K: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Token ``t64``'s fp32 routed partial at columns ``col``: :func:`finalize32` of the deferred
+    triple, or ``fp32(routed)``; times ``scale`` (one fp32 multiply) when ``HAS_SCALE``."""
+    if FINALIZE:
+        acc = finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH, TOP_K)
+    else:
+        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        acc = acc * scale
+    return acc
+
+
+@triton.jit
 def rank_sum64(ptrs, src_stride, mask, W: tl.constexpr):
     """``x = sum_{src in rank order} fp64(*(ptrs + src * src_stride))``: the cross-rank sum of
     W published slots, in fp64 (the caller rounds it once).  Volatile loads: peers wrote them."""

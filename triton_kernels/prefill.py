@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .lamport import round_to
-from .numerics import finalize32, rms_rstd, sq64
+from .numerics import rms_rstd, routed32, sq64
 
 
 @triton.jit
@@ -92,12 +92,7 @@ def finalize_shards_kernel(
     """fp32 routed partial of one (token, chunk) into the send layout: ``finalize32`` (all K row
     loads of the chunk in flight) or ``fp32(routed)``, times ``scale`` when it is not 1."""
     t64, col, cmask, dst = _shard_chunk(tl.program_id(0), M, WIDTH, Q, R, BLOCK, CPS, CHUNKS, PER_SHARD)
-    if FINALIZE:
-        acc = finalize32(t64, col, cmask, eo_ptr, w_ptr, idx_ptr, WIDTH, TOP_K)
-    else:
-        acc = tl.load(routed_ptr + t64 * WIDTH + col, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        acc = acc * scale
+    acc = routed32(t64, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE)
     tl.store(out_ptr + dst, acc, mask=cmask)
 
 
