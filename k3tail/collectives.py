@@ -108,6 +108,11 @@ class ShardExchange:
         """``[M, bounds[-1]]``: rank s's area ``name`` (``[M, n_s]`` row-major) in its columns."""
         raise NotImplementedError
 
+    def end_call(self) -> None:
+        """The call is over: drop this call's per-call areas (solo and group kinds allocate them
+        from the caching allocator; keeping them would pin ~``M * (4 L + 2 e H)`` bytes per layer)."""
+        self._areas.clear()
+
 
 class Collectives:
     """What the tiers need from a world; see the module docstring.  ``exchange`` is the
@@ -287,6 +292,9 @@ class _PeerExchange(ShardExchange):
 
     def publish(self):
         self.px.barrier()
+
+    def end_call(self):
+        pass  # the areas are the symmetric workspace itself
 
     def reduce_shards(self, name, *, M, bounds, dtype, sumsq):
         r = self.rank

@@ -129,7 +129,9 @@ class TierPaths:
         project(normed, self._own_rows(up_weight), prefix=prefix[:, h0:h1], shared_sum=shared_sum, out_dtype=dt,
                 tactics=self._proj_tactics, out=X.area("out", dt, M * (h1 - h0)).view(M, h1 - h0))
         X.publish()
-        return X.gather("out", M=M, bounds=bh, dtype=dt)
+        out = X.gather("out", M=M, bounds=bh, dtype=dt)
+        X.end_call()
+        return out
 
     def _tier_tail(self, *, prefix, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
                    expanded_idx):

@@ -131,6 +131,7 @@ def _cpu_worker(rank, W, plans):
             outs = _run_case(mods, cfg, M, W, rank, form, seed=i + 1)
             ran = {k: mods[k].sharded_calls - before[k] for k in ("sharded_group", "sharded_peer", "allreduce")}
             out.append((i, M, form, outs, ran, time.time() - t0))
+        assert mods["sharded_group"].coll.exchange._areas == {}, "per-call scratch outlived the call"
     return out
 
 
@@ -279,3 +280,14 @@ def test_large_m_modules_share_peer_areas_cpu():
         for i, (got, want) in enumerate(outs):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"call {i}"
             assert torch.equal(got.view(torch.int16), res[0][1][i][0].view(torch.int16))
+
+
+def test_large_m_keeps_no_scratch_between_calls():
+    """The solo and group kinds allocate the exchange's areas per call: none may outlive the call
+    (61 layers would otherwise pin a prefill chunk's scratch each)."""
+    cfg = k3tail.TailConfig(max_tokens=16, **SMALL)
+    mod = _build(cfg, None, "scratch", tactics=CPU_TACTICS)
+    x = _inputs(cfg, 12, 1, 0, "triple", seed=21)
+    y = mod(tier=Tier.FUSED_LANE_AR, **x)
+    assert mod.sharded_calls == 1 and mod.coll.exchange._areas == {}
+    assert not torch.isnan(y.float()).any()
