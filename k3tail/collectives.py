@@ -377,6 +377,10 @@ def collectives_kind(comm, device: torch.device, *, exchange: str, p2p: bool) ->
         return "peer"
     if not isinstance(comm, DistComm):
         raise ValueError(f"no collectives for a group of type {type(comm).__name__}")
+    if device.type == "cpu" and not any(b in backend for b in ("gloo", "mpi")):
+        raise ValueError(f"the {backend!r} group cannot run collectives on CPU tensors; pass a gloo group "
+                         f"for device='cpu', or device='cuda'")
+    # CPU tensors: gloo runs every collective; CUDA tensors: NCCL (gloo's CUDA support is partial)
     carries = device.type == "cpu" or "nccl" in backend
     if exchange == "group" or (exchange == "auto" and carries):
         if not carries:

@@ -170,6 +170,8 @@ class K3MoETail(TierPaths, nn.Module):
         self.loopback = isinstance(self.comm, LoopbackGroup)
         self.bounds_latent, self.bounds_hidden = shard_bounds(cfg.latent, W), shard_bounds(cfg.hidden, W)
 
+        # what the group cannot do on this device fails here, before the probes allocate anything
+        collectives_kind(self.comm, self.device, exchange=exchange, p2p=True)
         # 1. local probes  2. exactly one MIN all-reduce
         probes = local_probes(cfg, self.comm, self.device, group=group, lane_max_tokens=lane_cap,
                               tail_max_tokens=_tail_capacity(cfg))

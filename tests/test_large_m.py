@@ -291,3 +291,29 @@ def test_large_m_keeps_no_scratch_between_calls():
     y = mod(tier=Tier.FUSED_LANE_AR, **x)
     assert mod.sharded_calls == 1 and mod.coll.exchange._areas == {}
     assert not torch.isnan(y.float()).any()
+
+
+def test_collectives_kind_rules():
+    """Which collectives a world gets, and the ValueErrors (naming the backend) where a group cannot run
+    the tail's collectives on the device: pure, checked with stand-in communicators."""
+    from k3tail.collectives import collectives_kind
+    from k3tail.workspace import DistComm
+
+    def dist_comm(backend, W=2):
+        c = DistComm.__new__(DistComm)
+        c.rank, c.world_size, c.backend, c.group, c.name = 0, W, backend, None, "g"
+        return c
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    kind = lambda c, d, ex="auto", p2p=True: collectives_kind(c, d, exchange=ex, p2p=p2p)  # noqa: E731
+    assert kind(dist_comm("gloo", W=1), cpu) == "solo"
+    assert kind(dist_comm("gloo"), cpu) == "group" and kind(dist_comm("gloo"), cpu, "peer") == "peer"
+    assert kind(dist_comm("nccl"), cuda) == "group" and kind(dist_comm("cpu:gloo,cuda:nccl"), cuda) == "group"
+    assert kind(dist_comm("gloo"), cuda) == "peer"  # a CPU group next to the device: symmetric memory
+    for args, match in (((dist_comm("gloo"), cuda, "auto", False), "'gloo'.*P2P"),
+                        ((dist_comm("gloo"), cuda, "group"), "'gloo'.*all_to_all"),
+                        ((dist_comm("nccl"), cpu), "'nccl'.*CPU"),
+                        ((dist_comm("gloo"), cpu, "peer", False), "P2P"),
+                        ((dist_comm("gloo"), cpu, "nccl"), "exchange")):
+        with pytest.raises(ValueError, match=match):
+            kind(*args)
