@@ -370,13 +370,13 @@ def collectives_kind(comm, device: torch.device, *, exchange: str, p2p: bool) ->
         raise ValueError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}")
     if comm.world_size == 1:
         return "solo"
-    backend = "loopback" if isinstance(comm, LoopbackGroup) else str(getattr(comm, "backend", "?"))
     if isinstance(comm, LoopbackGroup):
         if exchange == "group":
             raise ValueError("exchange='group': a loopback group has no process group (use 'peer' or 'auto')")
         return "peer"
     if not isinstance(comm, DistComm):
         raise ValueError(f"no collectives for a group of type {type(comm).__name__}")
+    backend = str(comm.backend)
     if device.type == "cpu" and not any(b in backend for b in ("gloo", "mpi")):
         raise ValueError(f"the {backend!r} group cannot run collectives on CPU tensors; pass a gloo group "
                          f"for device='cpu', or device='cuda'")

@@ -56,15 +56,13 @@ def _build(cfg, group, tag, **kw):
     return _counted(k3tail.K3MoETail(cfg, group, prefix=f"large_m.{tag}", lane_max_tokens=LANE, **kw))
 
 
-def _run_case(mods, cfg, M, W, rank, form, seed, call=None):
-    """Outputs of each variant on the same inputs (``call(variant, mod, inputs)`` runs one)."""
-    x = _inputs(cfg, M, W, rank, form, seed, device=mods["sharded_group" if "sharded_group" in mods
-                                                       else "sharded_peer"].device)
+def _run_case(mods, cfg, M, W, rank, form, seed):
+    """Outputs of each variant on the same inputs ("separate" forces SEPARATE_REDUCE)."""
+    x = _inputs(cfg, M, W, rank, form, seed, device=next(iter(mods.values())).device)
     outs = {}
     for name, mod in mods.items():
         tier = Tier.SEPARATE_REDUCE if name == "separate" else Tier.FUSED_LANE_AR
-        y = (call or (lambda m, kw: m(**kw)))(mod, dict(x, tier=tier))
-        outs[name] = y.cpu()
+        outs[name] = mod(tier=tier, **x).cpu()
     return outs
 
 
