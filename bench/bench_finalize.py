@@ -29,7 +29,7 @@ from k3tail.testing import no_multicast  # noqa: E402
 no_multicast()
 import k3tail  # noqa: E402
 from k3tail import testing as T  # noqa: E402
-from k3tail.bench import line_plot, results_meta, write_results  # noqa: E402
+from k3tail.tools.bench import line_plot, results_meta, write_results  # noqa: E402
 from timing import graph_replay_us  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Bench the large-M (prefill) tail against issue 14's targets, every ratio from one run (H200).
 
 (a) finalize, W = 1, K3 shape (L 3584, top-k 16), M = 1024 and 8192: the Triton finalize
-    (``k3tail.prefill.finalize_to_shards``, one shard) vs ``torch.compile`` of the plain
+    (``k3tail.ops.prefill.finalize_to_shards``, one shard) vs ``torch.compile`` of the plain
     ``(expert_out[idx].float() * w).sum(1)`` and vs the torch finalize it replaces
     (``numerics.routed_partial``); the read-bandwidth floor counts the bf16 expert rows read and
     the fp32 rows written at 4 TB/s.  Targets at M = 8192: >= 60% of the floor, >= 3x torch.compile.
@@ -12,10 +12,10 @@
     sync inside), and the number of GPU kernels it launches (torch profiler).  Target <= 150 us.
 (d) loopback W = 8, M = 1024..8192: FUSED_LANE_AR with the sharded large-M path vs the path
     before it (``large_m="allreduce"``), graph replay.  Target >= 3x.  Loopback: the W virtual
-    ranks share one GPU; the bytes per rank (``k3tail.traffic``) are what a several-GPU machine
+    ranks share one GPU; the bytes per rank (``k3tail.tools.traffic``) are what a several-GPU machine
     would move.
 
-Timing: CUDA-graph replay, median over replays (``k3tail.bench.time_graph``).  Writes
+Timing: CUDA-graph replay, median over replays (``k3tail.tools.bench.time_graph``).  Writes
 ``<out>/prefill.json`` and ``<out>/prefill.png``.
 
     python bench/bench_prefill.py --out bench/results
@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from k3tail.testing import no_multicast  # noqa: E402
 
 no_multicast()
-from k3tail import bench as B  # noqa: E402
-from k3tail import numerics, traffic  # noqa: E402
+from k3tail.tools import bench as B  # noqa: E402
+from k3tail import numerics  # noqa: E402
+from k3tail.tools import traffic  # noqa: E402
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 BW = 4.0e12  # bytes/s, the H200's HBM3e read bandwidth (nominal 4.8; 4 is what the floor assumes)
@@ -61,7 +62,7 @@ def verdict(ok, text):
 
 
 def part_a(ms, budget, say):
-    from k3tail.prefill import finalize_to_shards
+    from k3tail.ops.prefill import finalize_to_shards
 
     out = {}
     comp = torch.compile(plain_finalize)
@@ -128,8 +129,8 @@ def part_b_c(ms, budget, say):
                 call(tri)
                 host.append((time.perf_counter() - t0) * 1e6)
                 torch.cuda.synchronize()
-            # where the host time goes: the Triton launches (k3tail._launch.launch) vs the rest
-            from k3tail import _launch as KL
+            # where the host time goes: the Triton launches (k3tail.runtime.launch.launch) vs the rest
+            from k3tail.runtime import launch as KL
 
             inner, spent = KL.launch, []
 

@@ -2,7 +2,7 @@
 
     python bench/bench_tail.py --out bench/results
 
-1. Kernel B alone (``k3tail.tail.shard_gemm``) on the weight shard of W = 8 (896 x 3584)
+1. Kernel B alone (``k3tail.ops.tail.shard_gemm``) on the weight shard of W = 8 (896 x 3584)
    and W = 4 (1792 x 3584), M = 1, 4, 16, against ``torch.matmul`` (cuBLAS) on the same
    shard.  Weights rotate over enough copies to exceed L2 (a real decode step streams
    each layer's shard from HBM once).  Default tactic and the best of a small sweep.
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 import k3tail  # noqa: E402
 from k3tail import testing as T  # noqa: E402
-from k3tail.tail import LatentTail, shard_gemm  # noqa: E402
-from k3tail.bench import results_meta  # noqa: E402
+from k3tail.ops.tail import LatentTail, shard_gemm  # noqa: E402
+from k3tail.tools.bench import results_meta  # noqa: E402
 from timing import graph_replay_us  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
@@ -104,7 +104,7 @@ def bench_kernel_b(log) -> list:
 
 
 def bench_tail_loopback(log, W: int = 8) -> list:
-    from k3tail.allreduce import OneShotAllReduce
+    from k3tail.ops.allreduce import OneShotAllReduce
 
     world = k3tail.LoopbackWorld(W)
     groups = [world.group(r) for r in range(W)]

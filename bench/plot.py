@@ -14,11 +14,11 @@
 * ``tier_map_plot(results, path, title=)``: the tier map of ``k3tail bench`` results;
 * ``summarize(samples_us)``: median, p99, min, mean, n.
 
-They live in ``k3tail.bench`` (so the installed ``k3tail bench`` command has them too);
+They live in ``k3tail.tools.bench`` (so the installed ``k3tail bench`` command has them too);
 this module re-exports them for the scripts in this folder.
 """
 
-from k3tail.bench import (git_commit, line_plot, results_meta, summarize, tier_map_plot,  # noqa: F401
+from k3tail.tools.bench import (git_commit, line_plot, results_meta, summarize, tier_map_plot,  # noqa: F401
                           write_results)
 
 __all__ = ["git_commit", "line_plot", "results_meta", "summarize", "tier_map_plot", "write_results"]

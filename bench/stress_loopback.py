@@ -30,7 +30,7 @@ no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
 import k3tail  # noqa: E402
-from k3tail import bench as B  # noqa: E402
+from k3tail.tools import bench as B  # noqa: E402
 from k3tail import tuning  # noqa: E402
 from k3tail.tiers import Tier  # noqa: E402
 

@@ -14,24 +14,24 @@ import torch as _torch
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .errors import K3TailError, PeerTimeout, TierUnavailable, WorkspacePoisoned  # noqa: E402
-from .workspace import LoopbackWorld, Workspace, create_workspace  # noqa: E402
-from .spawn import spawn  # noqa: E402
-from . import reference  # noqa: E402
+from k3tail.errors import K3TailError, PeerTimeout, TierUnavailable, WorkspacePoisoned  # noqa: E402
+from k3tail.runtime.workspace import LoopbackWorld, Workspace, create_workspace  # noqa: E402
+from k3tail.runtime.spawn import spawn  # noqa: E402
+from k3tail import reference  # noqa: E402
 
 __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _LAZY = {
-    "OneShotAllReduce": "allreduce",
-    "FinalizeAllReduceRMSNorm": "finalize",
-    "LaneAllReduce": "finalize",
-    "project": "projection",
-    "LatentTail": "tail",
+    "OneShotAllReduce": "ops.allreduce",
+    "FinalizeAllReduceRMSNorm": "ops.finalize_ar_norm",
+    "LaneAllReduce": "ops.finalize_ar_norm",
+    "project": "ops.projection",
+    "LatentTail": "ops.tail",
     "Tier": "tiers",
     "TailCaps": "tiers",
     "select_tier": "tiers",
-    "TailConfig": "module",
+    "TailConfig": "config",
     "K3MoETail": "module",
 }
 

@@ -7,7 +7,7 @@ A tier is written once against :class:`Collectives`; the kind of world hides beh
   ``all_reduce``, ``all_to_all_single`` (uneven splits), ``all_gather_into_tensor``;
 * ``peer``  -- peers reached through a workspace's pointer table (loopback, CPU shared memory,
   torch symmetric memory): the foundation's one-shot Lamport kernels and
-  :class:`k3tail.exchange.PeerExchange`'s barrier and pulls.
+  :class:`k3tail.ops.exchange.PeerExchange`'s barrier and pulls.
 
 Two families of operations:
 
@@ -21,7 +21,7 @@ Two families of operations:
    every rank writes its send data into :meth:`ShardExchange.area`, calls
    :meth:`ShardExchange.publish`, then reads the peers' data with
    :meth:`ShardExchange.reduce_shards` (its own column shard of every rank's send layout,
-   summed in rank order in fp64 and rounded once to fp32: ``k3tail.prefill.ordered_sum``) or
+   summed in rank order in fp64 and rounded once to fp32: ``k3tail.ops.prefill.ordered_sum``) or
    :meth:`ShardExchange.gather` (every rank's block into its columns).  Peer kind: ``publish``
    is ``PeerExchange.barrier`` and the areas are symmetric, so the caller must keep
    PeerExchange's area rule (an area is rewritten only after a barrier that every reader enters
@@ -30,7 +30,7 @@ Two families of operations:
    one blocking NCCL/gloo collective on the current stream.  Solo: the areas are fresh tensors
    and the reads return them.
 
-The send layout (``k3tail.prefill``): dest d's block of an ``[M, n]`` matrix is the row-major
+The send layout (``k3tail.ops.prefill``): dest d's block of an ``[M, n]`` matrix is the row-major
 ``[M, b[d+1] - b[d]]`` block at element ``M * b[d]``, ``b = shard_bounds(n, W)``.  The exchanges
 and gathers copy: 16-bit data travels in its own dtype and is never summed by a collective.
 """
@@ -44,14 +44,14 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _launch as L
-from .allreduce import OneShotAllReduce
-from .errors import K3TailError
-from .prefill import ordered_sum, pack_shards
-from .triton_kernels.allreduce import oneshot_allreduce_kernel
-from .triton_kernels.lamport import NUM_STAGES
-from .loopback import group_identity
-from .workspace import DistComm, LoopbackGroup, create_workspace, interpret_mode
+from k3tail.runtime import launch as L
+from k3tail.ops.allreduce import OneShotAllReduce
+from k3tail.errors import K3TailError
+from k3tail.ops.prefill import ordered_sum, pack_shards
+from k3tail.triton_kernels.allreduce import oneshot_allreduce_kernel
+from k3tail.triton_kernels.lamport import NUM_STAGES
+from k3tail.runtime.loopback import group_identity
+from k3tail.runtime.workspace import DistComm, LoopbackGroup, create_workspace, interpret_mode
 
 PEER_CHUNK = 64  # rows per launch of the peer kind's one-shot all-reduce / gather
 
@@ -280,7 +280,7 @@ class PeerFp32AllReduce:
 
 class _PeerExchange(ShardExchange):
     def __init__(self, comm, device, *, areas: Dict[str, int], widths: Sequence[Sequence[int]], timeout_s):
-        from .exchange import PeerExchange
+        from k3tail.ops.exchange import PeerExchange
 
         super().__init__(comm.rank, comm.world_size, device)
         self.px = PeerExchange(comm, areas=areas, timeout_s=timeout_s, device=device)
@@ -318,7 +318,7 @@ class PeerCollectives(Collectives):
     def __init__(self, comm, device, *, latent: int, hidden: int, dtype: torch.dtype, max_tokens: int,
                  large_m: bool, timeout_s: float):
         super().__init__(comm.rank, comm.world_size, device)
-        from .prefill import shard_bounds
+        from k3tail.ops.prefill import shard_bounds
 
         W, chunk = comm.world_size, min(PEER_CHUNK, max_tokens)
         self.comm, self.chunk = comm, chunk

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _launch as L
+from k3tail.runtime import launch as L
 
 DEFAULT_LANE_MAX_TOKENS = 64  # lane collective capacity unless given (tuning may lower it)
 DEFAULT_LARGE_M_MIN_TOKENS = 128  # groups without P2P: the sharded large-M path from here (tuning sets it)
@@ -45,7 +45,7 @@ class TailConfig:
 def _tail_capacity(cfg: TailConfig) -> int:
     """TAIL_FUSION capacity: the config's, at most the kernels' token block (16)."""
     try:
-        from .triton_kernels.tail_fusion import BLOCK_M
+        from k3tail.triton_kernels.tail_fusion import BLOCK_M
     except ImportError:
         return 0
     return min(cfg.tail_max_tokens, int(BLOCK_M))

@@ -7,7 +7,7 @@ tensor-parallel group, outside CUDA-graph capture) and calls it with the layer's
 
 Construction (DESIGN §4), in this fixed order on every rank:
 
-1. the device (``device=``, else :func:`k3tail.workspace.resolve_device`: never guessed from a
+1. the device (``device=``, else :func:`k3tail.runtime.workspace.resolve_device`: never guessed from a
    CPU group) and local probes (:func:`k3tail.vote.local_probes`; the P2P probe allocates one
    tiny probe workspace, unconditionally, on every rank);
 2. exactly ONE ``comm.all_reduce_min`` of the vote vector -> agreed :class:`TailCaps`;
@@ -29,14 +29,14 @@ The tiers (DESIGN §2; bodies in :mod:`k3tail.tier_paths`, collectives in :mod:`
   fp32) all-reduced in fp64 (order-free), shared partial in fp32, RMSNorm (fp64 statistic, the
   normed latent rounded once, :mod:`k3tail.numerics`), projection (one rounding).  On CUDA
   process groups the routed branch runs on a second stream.
-* FUSED_LANE_AR: :class:`k3tail.finalize.LaneAllReduce` up to ``lane_max_tokens``; above it the
+* FUSED_LANE_AR: :class:`k3tail.ops.finalize_ar_norm.LaneAllReduce` up to ``lane_max_tokens``; above it the
   sharded large-M path (``large_m="sharded"``, default: finalize into shards, ordered
   reduce-scatter in fp32 bytes, statistics, normed and output all-gathers), or with
   ``large_m="allreduce"`` the path before it (one fp64 all-reduce of the lane, kept as the
   benchmarks' baseline).  Groups without P2P take this tier (sharded path only) from
   ``caps.large_m_min_tokens`` up.
-* TAIL_FUSION: :class:`k3tail.tail.LatentTail` (mailbox pool key = this module's ``prefix``).
-* MULTIMEM_AR: ``multimem_all_reduce_`` of the staged fp32 lane (:mod:`k3tail.multimem`); only
+* TAIL_FUSION: :class:`k3tail.ops.tail.LatentTail` (mailbox pool key = this module's ``prefix``).
+* MULTIMEM_AR: ``multimem_all_reduce_`` of the staged fp32 lane (:mod:`k3tail.ops.multimem`); only
   where the vote agreed multicast (never on this project's machines).
 * CUTE_FINALIZE: flashinfer mnnvl-cutedsl (``cute_fallback.mnnvl``, UNVERIFIED on hardware here:
   no SM100) gives the normed latent; projection shard injected into the fp32 shared partial; one
@@ -68,18 +68,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _launch as L
-from .collectives import collectives_kind, make_collectives
-from .collectives import PEER_CHUNK as LOOPBACK_CHUNK  # noqa: F401  (re-export)
-from .collectives import PeerFp32AllReduce as _LoopbackFp32AllReduce  # noqa: F401  (re-export)
-from .config import DEFAULT_LANE_MAX_TOKENS, TailConfig, _tail_capacity  # noqa: F401  (re-exports)
-from .errors import K3TailError, TierUnavailable
-from .multimem import MultimemStage
-from .prefill import shard_bounds
-from .tier_paths import TierPaths
-from .tiers import TailCaps, Tier, select_tier
-from .vote import SoloComm, caps_from, local_probes, run_vote
-from .workspace import LoopbackGroup, comm_for, resolve_device
+from k3tail.runtime import launch as L
+from k3tail.collectives import collectives_kind, make_collectives
+from k3tail.collectives import PEER_CHUNK as LOOPBACK_CHUNK  # noqa: F401  (re-export)
+from k3tail.collectives import PeerFp32AllReduce as _LoopbackFp32AllReduce  # noqa: F401  (re-export)
+from k3tail.config import DEFAULT_LANE_MAX_TOKENS, TailConfig, _tail_capacity  # noqa: F401  (re-exports)
+from k3tail.errors import K3TailError, TierUnavailable
+from k3tail.ops.multimem import MultimemStage
+from k3tail.ops.prefill import shard_bounds
+from k3tail.tier_paths import TierPaths
+from k3tail.tiers import TailCaps, Tier, select_tier
+from k3tail.vote import SoloComm, caps_from, local_probes, run_vote
+from k3tail.runtime.workspace import LoopbackGroup, comm_for, resolve_device
 
 log = logging.getLogger("k3tail")
 
@@ -115,7 +115,7 @@ class K3MoETail(TierPaths, nn.Module):
     :class:`k3tail.LoopbackWorld` group (build every rank with ``world.build``).  ``prefix``
     names the layer (the mailbox pool key of TAIL_FUSION: a speculative draft layer must use
     a different prefix from its base layer).  ``device``: where the tensors live (default
-    :func:`k3tail.workspace.resolve_device`: an NCCL group's current CUDA device, a gloo
+    :func:`k3tail.runtime.workspace.resolve_device`: an NCCL group's current CUDA device, a gloo
     group's CPU; pass ``device="cuda"`` with a gloo group whose ranks hold CUDA tensors).
     Construction is collective (see the module docstring).  Extra keyword arguments:
     ``lane_max_tokens`` (lane collective capacity, default 64), ``large_m`` (``"sharded"``,
@@ -185,7 +185,7 @@ class K3MoETail(TierPaths, nn.Module):
         # 3. tuned tactics, agreed on rank 0's table (thresholds only lower capacities)
         caps, self.tactics_source = alloc_caps, None
         try:
-            from . import tuning  # noqa: F401
+            from k3tail import tuning  # noqa: F401
         except ImportError:
             tuning = None
         if tuning is not None:
@@ -239,14 +239,14 @@ class K3MoETail(TierPaths, nn.Module):
         self._side_stream = None
         try:
             if alloc_caps.tail_fusion_max_tokens > 0:
-                from .tail import LatentTail
+                from k3tail.ops.tail import LatentTail
                 self._tail = LatentTail(group, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
                                         routed_scale=cfg.routed_scale, max_tokens=alloc_caps.tail_fusion_max_tokens,
                                         dtype=cfg.dtype, key=prefix, pool_depth=pool_depth,
                                         timeout_s=self.timeout_s, tactics=tactics.get("LatentTail"),
                                         device=self.device)
             if alloc_caps.fused_ar and alloc_caps.lane_max_tokens > 0:
-                from .finalize import LaneAllReduce
+                from k3tail.ops.finalize_ar_norm import LaneAllReduce
                 self._lane = LaneAllReduce(group, latent=cfg.latent, hidden=cfg.hidden,
                                            max_tokens=alloc_caps.lane_max_tokens, top_k=cfg.top_k, eps=cfg.eps,
                                            routed_scale=cfg.routed_scale, dtype=cfg.dtype,
@@ -260,7 +260,7 @@ class K3MoETail(TierPaths, nn.Module):
                                          hidden=cfg.hidden, group_name=getattr(self.comm, "name", ""),
                                          device=self.device, alloc=_multimem_alloc, allreduce_=_multimem_allreduce)
             if alloc_caps.cute_max_tokens > 0:
-                from .cute_fallback.mnnvl import CuteFinalize
+                from k3tail.cute_fallback.mnnvl import CuteFinalize
                 self._cute = CuteFinalize(group, rank=self.rank, world_size=W,
                                           max_tokens=alloc_caps.cute_max_tokens, latent=cfg.latent,
                                           top_k=cfg.top_k, eps=cfg.eps, routed_scale=cfg.routed_scale,

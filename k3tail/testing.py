@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import reference as ref
+from k3tail import reference as ref
 
 NO_MULTICAST_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -2,32 +2,32 @@
 
 ``TierPaths`` is mixed into :class:`k3tail.module.K3MoETail`; it uses the module's ``config``,
 ``rank``, ``world_size``, ``coll`` (the collectives), ``bounds_latent`` / ``bounds_hidden`` (the
-column shards, ``k3tail.prefill.shard_bounds``) and the allocated tier objects.  Every path forms
+column shards, ``k3tail.ops.prefill.shard_bounds``) and the allocated tier objects.  Every path forms
 the latent with the same bits: the routed partial is the exact-product fp32 finalize
-(``k3tail.prefill.finalize_to_shards``, the twin of ``numerics.routed_partial``), the sum over
+(``k3tail.ops.prefill.finalize_to_shards``, the twin of ``numerics.routed_partial``), the sum over
 ranks is rank-order fp64 (or an fp64 all-reduce, order-free) rounded once to fp32, the RMS
 statistic is fp64, the normed latent is rounded once; the output ``prefix + normed @ W^T +
-shared_sum`` is rounded once (``k3tail.projection.project``).
+shared_sum`` is rounded once (``k3tail.ops.projection.project``).
 
 The large-M path (:meth:`TierPaths._large_m_sharded`, issue 14): finalize straight into the send
 layout, exchange the column shards (routed fp32, shared in its 16-bit dtype), sum the own shard
 in rank order with its fp64 sum of squares, all-gather the ``[M, W]`` statistics, normalize the
 own latent shard, all-gather the normed latent, project the own output columns, all-gather them.
 Per rank and layer it moves the bytes of a reduce-scatter plus three all-gathers
-(``k3tail.traffic``), with no fp64 on the wire.  Its peer-kind call sequence is four phases
+(``k3tail.tools.traffic``), with no fp64 on the wire.  Its peer-kind call sequence is four phases
 (write routed + shared | B1 | reduce, write stats | B2 | gather stats, write normed | B3 | gather
 normed, write out | B4 | gather out): every area is rewritten only after a barrier that its
-readers enter after reading it (``k3tail.exchange.PeerExchange``'s rule; no trailing barrier).
+readers enter after reading it (``k3tail.ops.exchange.PeerExchange``'s rule; no trailing barrier).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import numerics
-from .errors import TierUnavailable
-from .prefill import finalize_to_shards, normalize_shard
-from .projection import project
+from k3tail import numerics
+from k3tail.errors import TierUnavailable
+from k3tail.ops.prefill import finalize_to_shards, normalize_shard
+from k3tail.ops.projection import project
 
 
 class TierPaths:

@@ -320,11 +320,11 @@ def crossovers(table: TacticTable, *, device_name: str, sm: str, triton: str, wo
 def agree_table(comm, table: TacticTable) -> TacticTable:
     """Every rank returns rank 0's table (``comm.broadcast_object``), like the vote (DESIGN §4).
 
-    ``comm`` is a :class:`k3tail.workspace.Comm` or anything ``k3tail.workspace.comm_for``
+    ``comm`` is a :class:`k3tail.runtime.workspace.Comm` or anything ``k3tail.runtime.workspace.comm_for``
     accepts (a process group, None for the default group, a LoopbackWorld group).
     Collective: every rank of the group must call it at the same point.
     """
-    from .workspace import comm_for
+    from k3tail.runtime.workspace import comm_for
 
     c = comm_for(comm)
     agreed = c.broadcast_object(table if c.rank == 0 else None, src=0)
@@ -363,7 +363,7 @@ def agreed_tactics(group=None, *, device=None, table: Optional[TacticTable] = No
     Agreeing the key fields too matters on mixed machines: a rank whose device name differs
     would otherwise look up a different key and pick a different kernel.
     """
-    from .workspace import comm_for
+    from k3tail.runtime.workspace import comm_for
 
     c = comm_for(group)
     local = (table if table is not None else load_table(),

@@ -48,9 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch as L
-from .tiers import TailCaps, Tier
-from .workspace import Comm, LoopbackGroup, create_workspace, interpret_mode, resolve_device
+from k3tail.runtime import launch as L
+from k3tail.tiers import TailCaps, Tier
+from k3tail.runtime.workspace import Comm, LoopbackGroup, create_workspace, interpret_mode, resolve_device
 
 ENV_DISABLE_LATENT_TAIL = "K3TAIL_DISABLE_LATENT_TAIL"
 ENV_DISABLE_FUSED_AR = "K3TAIL_DISABLE_FUSED_AR"
@@ -191,7 +191,7 @@ def _module_present(name: str) -> bool:
 def local_probes(config, comm: Comm, device: torch.device, *, group=None, lane_max_tokens: int,
                  tail_max_tokens: Optional[int] = None, cute_max_tokens: Optional[int] = None, run_p2p: bool = True, env=None) -> Probes:
     """Probe this rank (no host collective except the P2P probe's workspace and barrier)."""
-    from .cute_fallback import mnnvl
+    from k3tail.cute_fallback import mnnvl
 
     env = env if env is not None else os.environ
     W = comm.world_size
@@ -244,10 +244,10 @@ def local_probes(config, comm: Comm, device: torch.device, *, group=None, lane_m
     v["flashinfer_cute"] = int(ok)
     if not ok:
         why["flashinfer_cute"] = fi_why
-    v["has_lane_op"] = int(_module_present("finalize"))
-    v["has_tail_op"] = int(_module_present("tail"))
-    v["has_project"] = int(_module_present("projection"))
-    for f, m in (("has_lane_op", "finalize"), ("has_tail_op", "tail"), ("has_project", "projection")):
+    v["has_lane_op"] = int(_module_present("ops.finalize_ar_norm"))
+    v["has_tail_op"] = int(_module_present("ops.tail"))
+    v["has_project"] = int(_module_present("ops.projection"))
+    for f, m in (("has_lane_op", "ops.finalize_ar_norm"), ("has_tail_op", "ops.tail"), ("has_project", "ops.projection")):
         if not v[f]:
             why[f] = f"k3tail.{m} is not installed"
     tail_cap = config.tail_max_tokens if tail_max_tokens is None else tail_max_tokens
@@ -282,26 +282,26 @@ def caps_from(agreed: Dict[str, int], *, multimem_min_tokens: int = 256) -> Tupl
     peers = (("p2p", "functional P2P failed on some rank"), ("peer_reach", "peers unreachable (no fabric handles)"))
     tail_ok = need(Tier.TAIL_FUSION, ("latent_tail_env", f"{ENV_DISABLE_LATENT_TAIL}=1 on some rank"),
                    ("dtype_ok", "dtype is not bf16/fp16"), ("hidden_div_w", "hidden is not a multiple of 8*W"),
-                   *peers, ("has_tail_op", "k3tail.tail is not installed"),
+                   *peers, ("has_tail_op", "k3tail.ops.tail is not installed"),
                    ("tail_max_tokens", "tail capacity is 0"))
     lane_ok = need(Tier.FUSED_LANE_AR, ("fused_ar_env", f"{ENV_DISABLE_FUSED_AR}=1 on some rank"),
                    ("dtype_ok", "dtype is not bf16/fp16"), *peers,
-                   ("has_lane_op", "k3tail.finalize is not installed"),
-                   ("has_project", "k3tail.projection is not installed"),
+                   ("has_lane_op", "k3tail.ops.finalize_ar_norm is not installed"),
+                   ("has_project", "k3tail.ops.projection is not installed"),
                    ("lane_max_tokens", "lane capacity is 0"))
     mm_ok = need(Tier.MULTIMEM_AR, ("fused_ar_env", f"{ENV_DISABLE_FUSED_AR}=1 on some rank"),
                  ("multicast", "multicast not agreed (disabled on these machines)"),
                  ("symm_mem", "needs a multi-process CUDA group with symmetric memory"),
                  ("dtype_ok", "dtype is not bf16/fp16"), *peers,
-                 ("has_project", "k3tail.projection is not installed"))
+                 ("has_project", "k3tail.ops.projection is not installed"))
     cute_ok = need(Tier.CUTE_FINALIZE, ("sm100_family", "not SM100-family GPUs on every rank"),
                    ("flashinfer_cute", "flashinfer with the mnnvl-cutedsl backend missing on some rank"),
                    ("multicast", "multicast not agreed"), ("symm_mem", "needs a multi-process CUDA group"),
                    ("hidden_div_w", "hidden is not a multiple of 8*W"), *peers,
-                   ("has_project", "k3tail.projection is not installed"),
+                   ("has_project", "k3tail.ops.projection is not installed"),
                    ("cute_max_tokens", "no mnnvl-cutedsl profile for this shape"))
     if not a["has_project"]:
-        why[Tier.SEPARATE_REDUCE] = "k3tail.projection is not installed"
+        why[Tier.SEPARATE_REDUCE] = "k3tail.ops.projection is not installed"
     caps = TailCaps(
         tail_fusion_max_tokens=a["tail_max_tokens"] if tail_ok else 0,
         cute_max_tokens=a["cute_max_tokens"] if cute_ok else 0,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3tail import bench as B
-from k3tail import bench_timing as BT
-from k3tail import tune as TU
+from k3tail.tools import bench as B
+from k3tail.tools import timing as BT
+from k3tail.tools import tune as TU
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_CUDA = torch.cuda.is_available()
@@ -21,17 +21,17 @@ SUBCOMMANDS = ("demo", "doctor", "bench", "tune")
 
 
 def k3tail(*argv, timeout=300):
-    """The real entry point in a fresh interpreter (``python -m k3tail.cli``): slow to start
+    """The real entry point in a fresh interpreter (``python -m k3tail.tools.cli``): slow to start
     (imports torch), so only a few tests use it; the others call ``cli.main`` in-process."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, "-m", "k3tail.cli", *argv], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "k3tail.tools.cli", *argv], capture_output=True, text=True,
                        timeout=timeout, env=env, cwd=str(REPO))
     return p.returncode, p.stdout + p.stderr
 
 
 def inproc(capsys, *argv):
     """``cli.main(argv)`` in this process -> (exit code, stdout + stderr)."""
-    from k3tail import cli
+    from k3tail.tools import cli
 
     msg = ""
     try:
@@ -99,7 +99,7 @@ def test_demo_smallest_exits_0(capsys):
 
 
 def test_demo_processes_flag_parses():
-    from k3tail import cli
+    from k3tail.tools import cli
 
     args = cli.build_parser().parse_args(["demo", "--device", "cuda", "--processes", "-W", "2"])
     assert args.processes and args.device == "cuda" and args.world_size == 2
@@ -199,10 +199,10 @@ def test_tune_specs_cover_the_ops_tactic_keys():
 
     cfg = TailConfig()
     lt = TU.SPECS["LatentTail"].space(True, 8, cfg)
-    from k3tail import tail
+    from k3tail.ops import tail
     known = set(tail._default_tactics(hidden=7168, latent=3584, W=8, device=torch.device("cpu")))
     assert set(lt) <= known, set(lt) - known
-    from k3tail.finalize import TACTIC_KEYS, FinalizeAllReduceRMSNorm
+    from k3tail.ops.finalize_ar_norm import TACTIC_KEYS, FinalizeAllReduceRMSNorm
     for name in ("LaneAllReduce", "FinalizeAllReduceRMSNorm"):
         for full in (False, True):
             sp = TU.SPECS[name].space(full, 8, cfg)
@@ -414,7 +414,7 @@ def test_tune_coordinate_descent_with_fakes(monkeypatch):
 def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, capsys):
     """`k3tail tune` end to end with the GPU parts faked: entries keyed as K3MoETail looks them
     up, crossovers stored, an existing table merged, progress printed."""
-    import k3tail.workspace as WS
+    import k3tail.runtime.workspace as WS
     from k3tail import tuning as T
 
     fields = {"device_name": "Fake GPU", "sm": "9.0", "triton": "3.6.0"}
@@ -533,7 +533,7 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
     assert {p["M"] for p in data["worlds"][0]["points"]} == {1, 4}
     assert "INCOMPLETE: W=4 failed" in text
     # the README's bytes table inputs, whatever W and M ran: W=8, M=1024 and 8192
-    from k3tail import traffic
+    from k3tail.tools import traffic
 
     assert data["large_m_bytes_w8"] == {str(M): traffic.table(M=M, W=8, L=32, H=64, e=2) for M in (1024, 8192)}
 

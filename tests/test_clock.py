@@ -7,7 +7,7 @@ import time
 
 
 def test_clock_page_advances():
-    from k3tail._clock import clock_page
+    from k3tail.runtime.clock import clock_page
 
     page = clock_page()
     a = int(page[0])
@@ -18,7 +18,7 @@ def test_clock_page_advances():
 
 
 def test_process_using_the_clock_exits_cleanly():
-    code = "import time, k3tail._clock as c; c.clock_page(); time.sleep(0.05)"
+    code = "import time, k3tail.runtime.clock as c; c.clock_page(); time.sleep(0.05)"
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (r.returncode, r.stderr[-500:])

@@ -12,7 +12,7 @@ import sys
 import torch
 
 import k3tail
-from k3tail import _launch as L
+from k3tail.runtime import launch as L
 from k3tail import testing as T
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
@@ -45,9 +45,9 @@ _RECORDS: list = []
 
 
 def _drive_w1():
-    from k3tail.finalize import FinalizeAllReduceRMSNorm
-    from k3tail.projection import project
-    from k3tail.tail import LatentTail
+    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
+    from k3tail.ops.projection import project
+    from k3tail.ops.tail import LatentTail
 
     M, K, Lt, H = 3, 4, 256, 512
     eo, w, idx = T.moe_triple(M, K, Lt, torch.bfloat16, 1)
@@ -64,7 +64,7 @@ def _drive_w1():
             prefix=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
-    from k3tail import prefill as PF  # the large-M path's local kernels: per-shard and per-column layouts
+    from k3tail.ops import prefill as PF  # the large-M path's local kernels: per-shard and per-column layouts
     for W_, tac in ((4, {"per_shard": True}), (3, None)):
         b = PF.shard_bounds(Lt, W_)
         PF.finalize_to_shards(expert_out=eo, expert_weights=w, expanded_idx=idx, bounds=b, scale=0.5, tactics=tac)
@@ -80,12 +80,12 @@ def _drive_w1():
 
 def _rank_records(rank, W):
     """W = 2 variants (Lamport paths): the collectives' launches on CPU ranks."""
-    from k3tail.finalize import LaneAllReduce
-    from k3tail.tail import LatentTail
+    from k3tail.ops.finalize_ar_norm import LaneAllReduce
+    from k3tail.ops.tail import LatentTail
 
     L.launch = _record
     try:
-        from k3tail.exchange import PeerExchange
+        from k3tail.ops.exchange import PeerExchange
 
         ex = PeerExchange(areas={"lat": 4 * 3 * 8, "stats": 4 * 8}, timeout_s=5.0)  # the large-M path's pulls
         ex.area("lat", torch.bfloat16, 15).copy_(T.randn((15,), torch.bfloat16, rank))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import k3tail
-from k3tail import custom_ops as C
+from k3tail.ops import custom_ops as C
 from k3tail import testing as T
 
 

@@ -24,9 +24,9 @@ import torch
 import k3tail
 from k3tail import reference as R
 from k3tail import testing as T
-from k3tail.comm import DistComm
-from k3tail.loopback import LoopbackGroup
-from k3tail.workspace import resolve_device
+from k3tail.runtime.comm import DistComm
+from k3tail.runtime.loopback import LoopbackGroup
+from k3tail.runtime.workspace import resolve_device
 
 BAD_DEVICES = ("cuda", "cuda:0", "meta", "gpu0", 3.5)
 TAIL_SHAPE = (128, 64, 4)  # hidden, latent, top_k: shard 64 at W = 2
@@ -72,11 +72,11 @@ def test_resolve_device_rules(monkeypatch):
 # ------------------------------------------------------------------ CPU rank bodies
 def _constructors(W):
     """Every standalone op that allocates a workspace, as ``name -> build(device)``."""
-    from k3tail.exchange import PeerExchange
-    from k3tail.finalize import FinalizeAllReduceRMSNorm, LaneAllReduce
-    from k3tail.tail import LatentTail
+    from k3tail.ops.exchange import PeerExchange
+    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm, LaneAllReduce
+    from k3tail.ops.tail import LatentTail
     from k3tail.vote import probe_p2p
-    from k3tail.workspace import comm_for, create_workspace
+    from k3tail.runtime.workspace import comm_for, create_workspace
 
     H, Lt, K = TAIL_SHAPE
     return {
@@ -97,7 +97,7 @@ def _rank_bad_devices(rank, W, prefix):
     """Every bad device on every constructor: ValueError naming device=, nothing allocated."""
     import torch.distributed as dist
 
-    import k3tail.workspace as WS
+    import k3tail.runtime.workspace as WS
 
     entered = []
     real = {n: getattr(WS, n) for n in ("_shm_workspace", "_symm_mem_workspace", "_loopback_workspace")}
@@ -127,9 +127,9 @@ def _rank_bad_devices(rank, W, prefix):
 
 def _rank_default_and_explicit_cpu(rank, W, seed):
     """Default (gloo: CPU) and explicit CPU devices of every op; one checked call of each kind."""
-    from k3tail.exchange import PeerExchange
-    from k3tail.finalize import LaneAllReduce
-    from k3tail.tail import LatentTail
+    from k3tail.ops.exchange import PeerExchange
+    from k3tail.ops.finalize_ar_norm import LaneAllReduce
+    from k3tail.ops.tail import LatentTail
 
     H, Lt, K = TAIL_SHAPE
     out = {"devices": {}}
@@ -205,8 +205,8 @@ def test_cpu_bad_device_raises_before_allocating():
 def _rank_cuda(rank, W, seed):
     import torch.distributed as dist
 
-    from k3tail.tail import LatentTail
-    from k3tail.workspace import comm_for
+    from k3tail.ops.tail import LatentTail
+    from k3tail.runtime.workspace import comm_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
     backend = str(dist.get_backend())

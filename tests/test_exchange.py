@@ -15,7 +15,7 @@ import torch
 
 import k3tail
 from k3tail import testing as T
-from k3tail.exchange import PeerExchange, reference_gather_cols
+from k3tail.ops.exchange import PeerExchange, reference_gather_cols
 from k3tail.triton_kernels.exchange import CTRL_EPOCH
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -26,7 +26,7 @@ import torch
 
 import k3tail
 from k3tail import testing as T
-from k3tail.spawn import SpawnError
+from k3tail.runtime.spawn import SpawnError
 from k3tail.tiers import Tier
 
 SMALL = dict(hidden=192, latent=64, top_k=4)

@@ -17,14 +17,14 @@ def _triple(bad_value):
 
 
 def _finalize(tr):
-    from k3tail.finalize import FinalizeAllReduceRMSNorm
+    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
     op = FinalizeAllReduceRMSNorm(width=L, max_tokens=4, top_k=K)
     return op(norm_weight=torch.ones(L, dtype=torch.bfloat16), **tr)
 
 
 def _tail(tr):
-    from k3tail.tail import LatentTail
+    from k3tail.ops.tail import LatentTail
 
     tail = LatentTail(hidden=H, latent=L, top_k=K, key="indices.test", max_tokens=4)
     return tail(prefix=T.randn((M, H), torch.bfloat16, 1), shared=T.randn((M, H), torch.bfloat16, 2),

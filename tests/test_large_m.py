@@ -295,7 +295,7 @@ def test_collectives_kind_rules():
     """Which collectives a world gets, and the ValueErrors (naming the backend) where a group cannot run
     the tail's collectives on the device: pure, checked with stand-in communicators."""
     from k3tail.collectives import collectives_kind
-    from k3tail.workspace import DistComm
+    from k3tail.runtime.workspace import DistComm
 
     def dist_comm(backend, W=2):
         c = DistComm.__new__(DistComm)

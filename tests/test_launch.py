@@ -5,8 +5,8 @@ import types
 import pytest
 import torch
 
-from k3tail import _launch as L
-from k3tail.workspace import LoopbackGroup
+from k3tail.runtime import launch as L
+from k3tail.runtime.workspace import LoopbackGroup
 
 
 class _FakeWorld:
@@ -53,8 +53,8 @@ def test_loopback_run_forks_both_passes(monkeypatch):
     current stream was still writing (H200: a gather asserted on a half-written expanded_idx)."""
     import contextlib
 
-    from k3tail import _launch
-    from k3tail.workspace import LoopbackWorld
+    from k3tail.runtime import launch as _launch
+    from k3tail.runtime.workspace import LoopbackWorld
 
     log = []
 
@@ -102,7 +102,7 @@ def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
     """torch's stream pool wraps after 32: rank streams must never be the current stream or
     torch.cuda.graph's default capture stream (a rank would then serialize the others)."""
     from k3tail.errors import K3TailError
-    from k3tail.workspace import _rank_streams
+    from k3tail.runtime.workspace import _rank_streams
 
     dev = torch.device("cuda", 0)
     pool = iter([5, 7, 5, 9, 11, 13] + list(range(100, 200)))

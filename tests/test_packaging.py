@@ -49,7 +49,7 @@ def test_wheel_contents(wheel):
     assert "k3tail" in tops
     assert not tops & {"triton_kernels", "cute_fallback", "tests", "bench"}, tops
     for must in ("k3tail/triton_kernels/lamport.py", "k3tail/cute_fallback/mnnvl.py", "k3tail/tables/tactics.json",
-                 "k3tail/cli.py"):
+                 "k3tail/tools/cli.py", "k3tail/runtime/launch.py", "k3tail/ops/tail.py"):
         assert must in names, must
 
 

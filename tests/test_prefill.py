@@ -1,4 +1,4 @@
-"""The large-M path's local kernels (k3tail.prefill, DESIGN §3.4) in Triton's interpreter.
+"""The large-M path's local kernels (k3tail.ops.prefill, DESIGN §3.4) in Triton's interpreter.
 
 W ranks are simulated in one process (no communication is needed: the exchange is a slice of
 each rank's send layout).  The pipeline finalize_to_shards -> (exchange) -> ordered_sum ->
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from k3tail import numerics as N
-from k3tail import prefill as P
+from k3tail.ops import prefill as P
 from k3tail import reference as R
 from k3tail import testing as T
 

@@ -115,7 +115,7 @@ def test_triton_epilogue_bitwise_equal_torch(M, N, dt, sdt, hp, hs, out_dt):
 
 def test_triton_epilogue_is_the_default(monkeypatch):
     """The large-M path's default epilogue is the Triton one (timed faster on the H200)."""
-    from k3tail import projection as P
+    from k3tail.ops import projection as P
     a, w, p, s = _inputs(20, 32, 64, torch.bfloat16, 12, True, True)
     calls = []
     real = P._epilogue_triton

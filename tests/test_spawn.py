@@ -132,7 +132,7 @@ def _fake_cuda(monkeypatch, n):
 
 
 def test_plan_cpu_and_gpu_placement(monkeypatch):
-    from k3tail.spawn import spawn_plan
+    from k3tail.runtime.spawn import spawn_plan
 
     p = spawn_plan(3, "cpu")
     assert (p.mode, p.backend, p.devices) == ("cpu", "gloo", (None, None, None))

@@ -1,4 +1,4 @@
-"""TAIL_FUSION (k3tail.tail.LatentTail): CPU ranks under the interpreter, GPU loopback.
+"""TAIL_FUSION (k3tail.ops.tail.LatentTail): CPU ranks under the interpreter, GPU loopback.
 
 CPU: one k3tail.spawn per world size runs a batch of cases (small shape H 512 / L 256 /
 top-k 4 with materialized and deferred routed partials, two or three interleaved layer
@@ -57,7 +57,7 @@ def reference_out(case: dict, W: int):
 
 
 def make_tail(group, case: dict, **kw):
-    from k3tail.tail import LatentTail
+    from k3tail.ops.tail import LatentTail
     H, Lt, K = case["shape"]
     return LatentTail(group, hidden=H, latent=Lt, top_k=K, key=case["key"],
                       dtype=case.get("dtype", torch.bfloat16), routed_scale=case.get("routed_scale", 1.0),
@@ -110,7 +110,7 @@ def cpu_cases(W: int) -> list:
 # ------------------------------------------------------------------ rank worker (CPU)
 def _worker(rank: int, W: int, cases: list, poison: bool):
     import torch.distributed as dist
-    from k3tail.tail import LatentTail
+    from k3tail.ops.tail import LatentTail
 
     tails, outs = {}, []
     for c in cases:  # construction order is the same on every rank
@@ -207,7 +207,7 @@ def test_tail_cpu_w4():
 
 # ------------------------------------------------------------------ single process (W = 1)
 def test_tail_w1_and_bad_inputs():
-    from k3tail.tail import LatentTail, shard_gemm
+    from k3tail.ops.tail import LatentTail, shard_gemm
 
     c = dict(key="w1", shape=SMALL, M=4, deferred=True, seed=50)
     tail = make_tail(None, c)
@@ -284,7 +284,7 @@ def check_rounded_once(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, what
 def test_shard_gemm_gemv():
     """Kernel B's GEMV variant alone: the product rounded once, every element written,
     L a power of two or not, shard rows a multiple of the rows per program or not."""
-    from k3tail.tail import shard_gemm
+    from k3tail.ops.tail import shard_gemm
 
     for N, Lt, rows in ((64, 200, 8), (72, 256, 16), (64, 256, 4), (40, 136, 8)):
         for M in (1, 2, 3, 4):
@@ -400,7 +400,7 @@ def test_multicast_store_gating():
     tile of the variant that runs is even; anything else stores unicast."""
     import types
 
-    from k3tail.tail import LatentTail
+    from k3tail.ops.tail import LatentTail
 
     tail = LatentTail(hidden=64, latent=32, top_k=2, key="mc-gate", max_tokens=4,
                       tactics={"b_block_n": 16, "b_gemv_max_m": 2, "b_gemv_rows": 1})

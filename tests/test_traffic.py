@@ -1,10 +1,10 @@
-"""Bytes per rank per layer (k3tail.traffic) and how `k3tail bench` records them (fakes, no GPU)."""
+"""Bytes per rank per layer (k3tail.tools.traffic) and how `k3tail bench` records them (fakes, no GPU)."""
 
 import torch
 
-from k3tail import bench as B
-from k3tail import bench_timing as BT
-from k3tail import traffic as T
+from k3tail.tools import bench as B
+from k3tail.tools import timing as BT
+from k3tail.tools import traffic as T
 
 K3 = dict(L=3584, H=7168)
 

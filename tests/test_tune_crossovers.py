@@ -4,9 +4,9 @@ functions on synthetic points) and ``tune_crossovers``' two rigs (fakes, CPU, no
 import types
 
 import pytest
-from k3tail import bench as B
-from k3tail import tune as TU
-from k3tail import tune_crossovers as X
+from k3tail.tools import bench as B
+from k3tail.tools import tune as TU
+from k3tail.tools import tune_crossovers as X
 from k3tail.tiers import TailCaps
 
 SH = TU.LARGE_M_TIER
@@ -222,7 +222,7 @@ def test_bench_tier_ranges_and_kind_with_the_sharded_path():
 
 def test_tail_fusion_threshold_holds_against_the_sharded_path():
     """Where the sharded rig ran, TAIL_FUSION keeps an M only if it also beats the sharded path there."""
-    from k3tail.tune_crossovers import LARGE_M_TIER, crossover_thresholds
+    from k3tail.tools.tune_crossovers import LARGE_M_TIER, crossover_thresholds
 
     us = {1: (30, 80, 130, 120), 4: (70, 140, 135, 150), 16: (180, 260, 150, 270)}  # TAIL, LANE, SHARDED, SEP
     pts = [{"tier": tier, "M": m, "phase": "graph", "median_us": float(v), "p99_us": float(v)}

@@ -14,7 +14,7 @@ CFG = dict(hidden=96, latent=32, top_k=4, max_tokens=40)  # hidden/W = 32 at W=3
 
 
 def _vote_worker(rank, W):
-    from k3tail.workspace import DistComm
+    from k3tail.runtime.workspace import DistComm
 
     votes = []
     orig = DistComm.all_reduce_min
@@ -112,7 +112,7 @@ def test_caps_from():
 
 
 def test_doctor_cli(capsys):
-    from k3tail.cli import main
+    from k3tail.tools.cli import main
 
     assert main(["doctor", "--hidden", "96", "--latent", "32", "--top-k", "4"]) == 0
     text = capsys.readouterr().out
@@ -126,7 +126,7 @@ def test_doctor_cli(capsys):
 
 
 def test_doctor_env_switch(monkeypatch):
-    from k3tail.doctor import report
+    from k3tail.tools.doctor import report
 
     monkeypatch.setenv("K3TAIL_DISABLE_LATENT_TAIL", "1")
     text = report(hidden=96, latent=32, top_k=4, world_size=3)

@@ -33,14 +33,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _launch as L
-from .numerics import f32
-from .tail_launch import (_CNT_B, _MAX_GEMV_M, _MAX_GEMV_ROWS, _MAX_NUMEL, _MAX_SPLIT_K,  # noqa: F401
+from k3tail.runtime import launch as L
+from k3tail.numerics import f32
+from k3tail.ops.tail_launch import (_CNT_B, _MAX_GEMV_M, _MAX_GEMV_ROWS, _MAX_NUMEL, _MAX_SPLIT_K,  # noqa: F401
                           _SQ_STRIDE, _b_constexprs, _check_tactics, _default_tactics, _launch_b,
                           _standalone, shard_gemm)
-from .triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
-from .loopback import group_identity
-from .workspace import (Workspace, arm_region, comm_for, create_workspace, interpret_mode, resolve_device,
+from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
+from k3tail.runtime.loopback import group_identity
+from k3tail.runtime.workspace import (Workspace, arm_region, comm_for, create_workspace, interpret_mode, resolve_device,
                         CTRL_WORDS)
 
 __all__ = ["LatentTail", "shard_gemm", "workspace_layout"]

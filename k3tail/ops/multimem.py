@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import K3TailError
+from k3tail.errors import K3TailError
 
 
 class MultimemStage:

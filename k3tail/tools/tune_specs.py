@@ -1,6 +1,6 @@
 """``k3tail tune``'s kernel specs: how to build, feed and time each tuned op with a given tactic.
 
-Split out of :mod:`k3tail.tune` (which re-exports every name here).  One :class:`Spec` per
+Split out of :mod:`k3tail.tools.tune` (which re-exports every name here).  One :class:`Spec` per
 kernel of the tactic table (``SPECS``: LatentTail, LaneAllReduce, project,
 FinalizeAllReduceRMSNorm), each with its M set, its tactic space (the keys its op accepts, in
 the order the coordinate descent visits them) and the table's shape string.
@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from . import bench as B
-from . import tuning as T
+from k3tail.tools import bench as B
+from k3tail import tuning as T
 
 
 class Spec:
@@ -72,11 +72,11 @@ class LatentTailSpec(Spec):
                 "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
-        from .tail import LatentTail
+        from k3tail.ops.tail import LatentTail
 
         return world.build(lambda r: LatentTail(world.group(r), hidden=cfg.hidden, latent=cfg.latent,
                                                 top_k=cfg.top_k, eps=cfg.eps, max_tokens=16, dtype=cfg.dtype,
-                                                key=f"k3tail.tune.{tag}", timeout_s=timeout_s,
+                                                key=f"k3tail.tools.tune.{tag}", timeout_s=timeout_s,
                                                 tactics=tactic or None))
 
     def resolved(self, ops):
@@ -131,7 +131,7 @@ class LaneSpec(_FusedSpec):
         return [16, 64, 256, 1024] if full else [16, 64]
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
-        from .finalize import LaneAllReduce
+        from k3tail.ops.finalize_ar_norm import LaneAllReduce
 
         return world.build(lambda r: LaneAllReduce(world.group(r), latent=cfg.latent, hidden=cfg.hidden,
                                                    max_tokens=max_tokens, top_k=cfg.top_k, eps=cfg.eps, dtype=cfg.dtype,
@@ -149,7 +149,7 @@ class FinalizeSpec(_FusedSpec):
         return T.shape_string(width=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
-        from .finalize import FinalizeAllReduceRMSNorm
+        from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
         return world.build(lambda r: FinalizeAllReduceRMSNorm(world.group(r), width=cfg.latent,
                                                               max_tokens=max_tokens,
@@ -165,12 +165,12 @@ class _Project:
         self.tactic, self.n = tactic, n
 
     def resolved(self) -> dict:
-        from .projection import default_tactics
+        from k3tail.ops.projection import default_tactics
 
         return {**default_tactics(self.n, interpret=False), **self.tactic}  # project()'s CUDA defaults, filled in
 
     def __call__(self, *args, **kwargs):
-        from .projection import project
+        from k3tail.ops.projection import project
 
         return project(*args, tactics=self.tactic, **kwargs)
 
@@ -195,7 +195,7 @@ class ProjectSpec(Spec):
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         t = dict(tactic or {})
         # project() validates its tactics at call time: reject bad ones here, before timing
-        from .projection import _TACTIC_KEYS
+        from k3tail.ops.projection import _TACTIC_KEYS
 
         unknown = set(t) - _TACTIC_KEYS
         if unknown:

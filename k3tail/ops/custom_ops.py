@@ -7,8 +7,8 @@ through them.
 * ``k3tail::lane_allreduce(handle, norm_weight, shared, routed?, expert_out?, expert_weights?,
   expanded_idx?) -> (normed, shared_sum fp32)``.
 
-The op objects (:class:`~k3tail.finalize.FinalizeAllReduceRMSNorm`,
-:class:`~k3tail.finalize.LaneAllReduce`) hold workspaces, which cannot be graph inputs, so they
+The op objects (:class:`~k3tail.ops.finalize_ar_norm.FinalizeAllReduceRMSNorm`,
+:class:`~k3tail.ops.finalize_ar_norm.LaneAllReduce`) hold workspaces, which cannot be graph inputs, so they
 are kept in a process-local handle registry and the custom op takes the int handle (a
 constant to the compiler).  The fake (meta) implementations derive the output shapes from the
 inputs and the registered op.  The custom ops declare no mutated arguments: the only side

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Dict, List, Optional
 
-from .errors import K3TailError
+from k3tail.errors import K3TailError
 
 # Never let a spawned process use NVLink multicast (DESIGN §8).
 NO_MULTICAST_ENV = {

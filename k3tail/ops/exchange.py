@@ -9,10 +9,10 @@ from typing import Dict, Sequence
 
 import torch
 
-from . import _launch as L
-from .errors import K3TailError
-from .triton_kernels.exchange import CTRL_EPOCH, barrier_kernel, gather_cols_kernel
-from .workspace import comm_for, create_workspace, interpret_mode, resolve_device
+from k3tail.runtime import launch as L
+from k3tail.errors import K3TailError
+from k3tail.triton_kernels.exchange import CTRL_EPOCH, barrier_kernel, gather_cols_kernel
+from k3tail.runtime.workspace import comm_for, create_workspace, interpret_mode, resolve_device
 
 _AREA_ALIGN = 256
 GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)

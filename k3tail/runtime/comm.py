@@ -1,8 +1,8 @@
 """Host-side collectives of construction (vote, rendezvous, barrier): the :class:`Comm`
 interface and its ``torch.distributed`` implementation (:class:`DistComm`).  The other
-kinds of world implement it too: ``k3tail.loopback.LoopbackGroup`` (W virtual ranks in one
+kinds of world implement it too: ``k3tail.runtime.loopback.LoopbackGroup`` (W virtual ranks in one
 process) and ``k3tail.vote.SoloComm`` (a world of one).  Re-exported by
-``k3tail.workspace``."""
+``k3tail.runtime.workspace``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import K3TailError
+from k3tail.errors import K3TailError
 
 __all__ = ["Comm", "DistComm", "comm_for"]
 

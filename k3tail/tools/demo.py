@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from . import reference as ref
-from .testing import tail_inputs
+from k3tail import reference as ref
+from k3tail.testing import tail_inputs
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 SMALL = dict(hidden=512, latent=256, top_k=4)
@@ -60,7 +60,7 @@ def _inputs(shape, M, W, rank, seed, device):
 
 def _run_tiers(mod, call):
     """``call(tier) -> out`` for every tier possible at each M; returns {tier name: (out, seconds)}."""
-    from .tiers import Tier
+    from k3tail.tiers import Tier
 
     res = {}
     for tier in Tier:
@@ -74,9 +74,9 @@ def _run_tiers(mod, call):
 def _rank_main(rank, W, shape, tokens, seed, device="cpu"):
     """Body of one rank process (CPU: interpreter; cuda: this process's GPU): every possible
     tier at every M, plus the selector's choices."""
-    from .module import K3MoETail, TailConfig
+    from k3tail.module import K3MoETail, TailConfig
 
-    from .finalize import FinalizeAllReduceRMSNorm
+    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
     cfg = TailConfig(max_tokens=max(tokens), **shape)
     if device == "cuda":
@@ -111,10 +111,10 @@ def _fused_op(op, ins):
 
 
 def _cuda_main(W, shape, tokens, seed):
-    from .module import K3MoETail, TailConfig
-    from .workspace import LoopbackWorld
+    from k3tail.module import K3MoETail, TailConfig
+    from k3tail.runtime.workspace import LoopbackWorld
 
-    from .finalize import FinalizeAllReduceRMSNorm
+    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
     world = LoopbackWorld(W)
     mods = world.build(lambda r: K3MoETail(TailConfig(max_tokens=max(tokens), **shape), world.group(r),
@@ -152,7 +152,7 @@ def _mode(args) -> str:
         return "CPU rank processes"
     if not args.processes:
         return "loopback on one GPU"
-    from .spawn import spawn_plan
+    from k3tail.runtime.spawn import spawn_plan
 
     plan = spawn_plan(args.world_size, "cuda")
     if plan.mode == "per_gpu":
@@ -177,8 +177,8 @@ def main(args) -> int:
     print(f"k3tail demo: the MoE tail, W={W} on {args.device} ({_mode(args)}), shape {shape}, M={tokens}")
     t_start = time.perf_counter()
     if args.device == "cpu" or processes:
-        from .spawn import spawn
-        from .testing import no_multicast
+        from k3tail.runtime.spawn import spawn
+        from k3tail.testing import no_multicast
 
         no_multicast()
         per_rank = spawn(W, _rank_main, shape, tokens, args.seed, args.device, device=args.device, timeout=3600)

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from .testing import no_multicast
+from k3tail.testing import no_multicast
 
 SUBCOMMANDS = {
     "demo": ("demo", "run the tail on CPU ranks, or on the GPU (loopback; --processes: rank processes) "
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (mod, help_) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=mod)
-        importlib.import_module(f"k3tail.{mod}").add_arguments(sp)
+        importlib.import_module(f"k3tail.tools.{mod}").add_arguments(sp)
     return p
 
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    return int(importlib.import_module(f"k3tail.{args._module}").main(args) or 0)
+    return int(importlib.import_module(f"k3tail.tools.{args._module}").main(args) or 0)
 
 
 if __name__ == "__main__":

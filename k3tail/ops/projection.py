@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from . import _launch as L
-from .triton_kernels.projection import epilogue_kernel, projection_kernel
-from .workspace import interpret_mode
+from k3tail.runtime import launch as L
+from k3tail.triton_kernels.projection import epilogue_kernel, projection_kernel
+from k3tail.runtime.workspace import interpret_mode
 
 _EPILOGUES = ("torch", "triton")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -30,12 +30,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _launch as L
-from .numerics import f32
-from .triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
-from .triton_kernels.lamport import NUM_STAGES
+from k3tail.runtime import launch as L
+from k3tail.numerics import f32
+from k3tail.triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
+from k3tail.triton_kernels.lamport import NUM_STAGES
 
-from .workspace import comm_for, create_workspace, interpret_mode, resolve_device
+from k3tail.runtime.workspace import comm_for, create_workspace, interpret_mode, resolve_device
 
 SQ_STRIDE = 64  # most slices (programs) per token
 TACTIC_KEYS = ("block", "num_warps", "slices", "slice_block", "slice_warps")
@@ -262,7 +262,7 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
 
     def as_custom_op(self):
         """A callable that routes through the ``k3tail::finalize_allreduce_rmsnorm`` custom op."""
-        from .custom_ops import bind
+        from k3tail.ops.custom_ops import bind
         return bind(self)
 
 
@@ -309,5 +309,5 @@ class LaneAllReduce(_FusedBase):
 
     def as_custom_op(self):
         """A callable that routes through the ``k3tail::lane_allreduce`` custom op."""
-        from .custom_ops import bind
+        from k3tail.ops.custom_ops import bind
         return bind(self)

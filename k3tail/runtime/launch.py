@@ -7,12 +7,12 @@ from typing import Optional
 
 import torch
 
-from ._clock import clock_page
-from ._runtime import interpret_mode, warm_only, warm_only_active
-from ._runtime import state as _runtime_state
-from .errors import PeerTimeout
-from .loopback import LoopbackGroup
-from .workspace import Workspace
+from k3tail.runtime.clock import clock_page
+from k3tail.runtime.modes import interpret_mode, warm_only, warm_only_active
+from k3tail.runtime.modes import state as _runtime_state
+from k3tail.errors import PeerTimeout
+from k3tail.runtime.loopback import LoopbackGroup
+from k3tail.runtime.workspace import Workspace
 
 # interpret_mode, warm_only, LoopbackGroup and Workspace stay importable from here (re-exports)
 

@@ -1,6 +1,6 @@
 """``k3tail tune``'s tier crossovers: where the selector's token thresholds should sit.
 
-Split out of :mod:`k3tail.tune` (which re-exports every name here).  Two rigs per W, both
+Split out of :mod:`k3tail.tools.tune` (which re-exports every name here).  Two rigs per W, both
 timed by graph replay with every tier forced (``tier=``), on one grid of M:
 
 * the **main rig**: ``K3MoETail(lane_max_tokens=max M)``, every possible tier;
@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import bench as B
-from . import tuning as T
+from k3tail.tools import bench as B
+from k3tail import tuning as T
 
 SLOW_REPLAY_US = 1e6  # a point whose p99 replay took >= 1 s hid a timed-out wait: a failure
 LARGE_M_TIER = "LARGE_M_SHARDED"  # the sharded rig's FUSED_LANE_AR points
@@ -150,7 +150,7 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
     sharded rig (where ``K3MoETail`` takes ``large_m``), and derive the selector thresholds.
     ``tactics_table``: the kernels' tactics to time the tiers with (the ones just tuned); its
     crossover entries are ignored, so that earlier thresholds cannot hide a tier."""
-    from .module import TailConfig
+    from k3tail.module import TailConfig
 
     W = world.world_size
     head = f"[tune W={W} crossovers]"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch as L
-from .triton_kernels.allreduce import oneshot_allreduce_kernel
-from .triton_kernels.lamport import NUM_STAGES
-from .workspace import comm_for, create_workspace, interpret_mode, resolve_device
+from k3tail.runtime import launch as L
+from k3tail.triton_kernels.allreduce import oneshot_allreduce_kernel
+from k3tail.triton_kernels.lamport import NUM_STAGES
+from k3tail.runtime.workspace import comm_for, create_workspace, interpret_mode, resolve_device
 
 
 class OneShotAllReduce:

@@ -29,12 +29,12 @@ from typing import Optional
 
 import torch
 
-from . import _launch as L
-from . import numerics
-from .numerics import f32
-from .triton_kernels.prefill import (finalize_shards_kernel, normalize_shard_kernel, ordered_sum_kernel,
+from k3tail.runtime import launch as L
+from k3tail import numerics
+from k3tail.numerics import f32
+from k3tail.triton_kernels.prefill import (finalize_shards_kernel, normalize_shard_kernel, ordered_sum_kernel,
                                      pack_shards_kernel)
-from .workspace import interpret_mode
+from k3tail.runtime.workspace import interpret_mode
 
 MAX_TOP_K = 64
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -18,10 +18,10 @@ from typing import Optional
 
 import torch
 
-from . import _launch as L
-from .triton_kernels.tail_fusion import BLOCK_M
-from .triton_kernels.tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel
-from .workspace import CTRL_WORDS, interpret_mode
+from k3tail.runtime import launch as L
+from k3tail.triton_kernels.tail_fusion import BLOCK_M
+from k3tail.triton_kernels.tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel
+from k3tail.runtime.workspace import CTRL_WORDS, interpret_mode
 
 __all__ = ["shard_gemm"]
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .tiers import Tier
+from k3tail.tiers import Tier
 
 
 def add_arguments(parser):
@@ -29,9 +29,9 @@ def add_arguments(parser):
 def report(*, hidden=7168, latent=3584, top_k=16, dtype=torch.bfloat16, world_size=1,
            lane_max_tokens=None) -> str:
     """The doctor's text (also used by tests)."""
-    from .module import DEFAULT_LANE_MAX_TOKENS, TailConfig, _tail_capacity
-    from .vote import SoloComm, caps_from, local_probes
-    from .workspace import interpret_mode
+    from k3tail.module import DEFAULT_LANE_MAX_TOKENS, TailConfig, _tail_capacity
+    from k3tail.vote import SoloComm, caps_from, local_probes
+    from k3tail.runtime.workspace import interpret_mode
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -1,6 +1,6 @@
 """Results of the bench commands: meta (device, commit, versions), JSON, plots.
 
-Split out of :mod:`k3tail.bench` (which re-exports every name here): ``results_meta``,
+Split out of :mod:`k3tail.tools.bench` (which re-exports every name here): ``results_meta``,
 ``write_results``, ``line_plot`` and ``tier_map_plot`` are shared with the bench scripts
 (``bench/plot.py`` re-exports them) and with ``k3tail tune``.
 """

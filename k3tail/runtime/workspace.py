@@ -41,14 +41,14 @@ from typing import Optional
 
 import torch
 
-from ._runtime import interpret_mode
-from ._sentinel import arm_region
-from .comm import Comm, DistComm, comm_for
-from .errors import K3TailError, WorkspacePoisoned
-from .loopback import LoopbackGroup, LoopbackWorld, _rank_streams
+from k3tail.runtime.modes import interpret_mode
+from k3tail.runtime.sentinel import arm_region
+from k3tail.runtime.comm import Comm, DistComm, comm_for
+from k3tail.errors import K3TailError, WorkspacePoisoned
+from k3tail.runtime.loopback import LoopbackGroup, LoopbackWorld, _rank_streams
 
 # Re-exported: these names were defined here before the split (comm.py, loopback.py,
-# _sentinel.py, _runtime.py); ``from k3tail.workspace import X`` keeps working for each.
+# _sentinel.py, _runtime.py); ``from k3tail.runtime.workspace import X`` keeps working for each.
 __all__ = ["CTRL_WORDS", "SHM_PREFIX_ENV", "Comm", "DistComm", "LoopbackGroup", "LoopbackWorld",
            "Workspace", "arm_region", "comm_for", "create_workspace", "interpret_mode",
            "resolve_device", "_rank_streams"]
@@ -191,7 +191,7 @@ def _loopback_workspace(comm: LoopbackGroup, nbytes: int, arm32) -> Workspace:
 def _shm_workspace(comm: Comm, nbytes: int, arm32) -> Workspace:
     if not interpret_mode():
         raise K3TailError("CPU workspaces run their kernels in the Triton interpreter: set "
-                          "TRITON_INTERPRET=1 before importing k3tail (k3tail.spawn does)")
+                          "TRITON_INTERPRET=1 before importing k3tail (k3tail.runtime.spawn does)")
     W = comm.world_size
     total = nbytes * W
     prefix = os.environ.get(SHM_PREFIX_ENV, "k3tail-")

@@ -1,6 +1,6 @@
 """W virtual ranks in one process on one GPU (:class:`LoopbackWorld`), each on its own stream,
 all sharing one peer table; :class:`LoopbackGroup` is one rank's ``group=`` argument (a
-:class:`~k3tail.comm.Comm`).  Re-exported by ``k3tail.workspace``; the workspace backend that
+:class:`~k3tail.runtime.comm.Comm`).  Re-exported by ``k3tail.runtime.workspace``; the workspace backend that
 serves it is ``workspace._loopback_workspace`` (DESIGN §5)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from ._runtime import warm_only
-from ._sentinel import arm_region
-from .comm import Comm
-from .errors import K3TailError
+from k3tail.runtime.modes import warm_only
+from k3tail.runtime.sentinel import arm_region
+from k3tail.runtime.comm import Comm
+from k3tail.errors import K3TailError
 
 __all__ = ["LoopbackWorld", "LoopbackGroup"]
 
@@ -193,7 +193,7 @@ class LoopbackGroup(Comm):
 
 def group_identity(comm) -> tuple:
     """A hashable name of ``comm``'s world and rank, for process-wide pools of collective
-    allocations (``k3tail.tail``'s mailbox pool, ``k3tail.collectives``' peer collectives): every
+    allocations (``k3tail.ops.tail``'s mailbox pool, ``k3tail.collectives``' peer collectives): every
     rank must reach the same pool entries in the same order (collective construction)."""
     if isinstance(comm, LoopbackGroup):
         return ("loopback", id(comm.world), comm.rank)

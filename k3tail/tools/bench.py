@@ -7,7 +7,7 @@ time of a replay is the time until the LAST rank finishes (the max over ranks, b
 construction).  Note what loopback means for the numbers: the W ranks share one GPU's SMs and
 HBM bandwidth (a loopback W=8 does 8 ranks' work on one GPU), so the times measure protocol
 and launch overheads and the relative order of the tiers, not a W-GPU machine's absolute time.
-Several GPUs: run under ``torchrun --nproc-per-node W -m k3tail.cli bench``; every process is a
+Several GPUs: run under ``torchrun --nproc-per-node W -m k3tail.tools.cli bench``; every process is a
 rank, every iteration's time is reduced with MAX over the ranks, rank 0 writes the results.
 
 Timing: graph tiers (TAIL_FUSION, CUTE_FINALIZE) by CUDA-graph replay only (they engage only
@@ -41,12 +41,12 @@ import torch
 
 # The implementation lives in three modules; every name importable from here before the split
 # still is (callers and tests use e.g. B._Rig, B.bench_world, B._caps_dict; tests replace the timers on
-# k3tail.bench_timing, where bench_world looks them up).
-from .bench_results import (REPO_ROOT, TIER_COLORS, _jsonable, _pyplot, _save_figure,  # noqa: F401
+# k3tail.tools.timing, where bench_world looks them up).
+from k3tail.tools.bench_results import (REPO_ROOT, TIER_COLORS, _jsonable, _pyplot, _save_figure,  # noqa: F401
                             git_commit, line_plot, log, results_meta, tier_map_plot, write_results)
-from .bench_rig import (DTYPES, GRAPH_ONLY, _caps_dict, _gen, _Rig, _tier_enum, bench_world,  # noqa: F401
+from k3tail.tools.bench_rig import (DTYPES, GRAPH_ONLY, _caps_dict, _gen, _Rig, _tier_enum, bench_world,  # noqa: F401
                         large_m_kind, module_accepts, rank_inputs, rank_weights, tier_ranges, up_rows)
-from .bench_timing import (_events, _max_over_ranks, _rank_uniform_int, summarize, time_eager,  # noqa: F401
+from k3tail.tools.timing import (_events, _max_over_ranks, _rank_uniform_int, summarize, time_eager,  # noqa: F401
                            time_graph)
 
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192)
@@ -69,7 +69,7 @@ def parse_ints(text: str) -> List[int]:
 
 
 def make_config(args, max_tokens: int, W: int):
-    from .module import TailConfig
+    from k3tail.module import TailConfig
 
     shard = args.hidden % (8 * W) == 0
     return TailConfig(hidden=args.hidden, latent=args.latent, top_k=args.top_k, dtype=DTYPES[args.dtype],
@@ -106,7 +106,7 @@ def add_common_arguments(parser, *, world_sizes_default=DEFAULT_W):
 def add_arguments(parser):
     parser.description = (parser.description or "") + (
         ". GPU only: loopback on one GPU (--world-sizes), or one process per GPU under torchrun "
-        "(torchrun --nproc-per-node W -m k3tail.cli bench).")
+        "(torchrun --nproc-per-node W -m k3tail.tools.cli bench).")
     add_common_arguments(parser)
     parser.add_argument("--m", type=parse_ints, default=list(DEFAULT_M),
                         help="token counts M, comma-separated (default %(default)s); M above a tier's "
@@ -139,9 +139,9 @@ README_BYTES_W, README_BYTES_M = 8, (1024, 8192)
 
 
 def readme_large_m_bytes(latent: int, hidden: int, dtype) -> dict:
-    """``{str(M): k3tail.traffic.table(...)}`` at W=8 for M=1024 and 8192 (allreduce / sharded /
+    """``{str(M): k3tail.tools.traffic.table(...)}`` at W=8 for M=1024 and 8192 (allreduce / sharded /
     bf16_lane, process-group formulas): the inputs of the README's large-M bytes table."""
-    from . import traffic
+    from k3tail.tools import traffic
 
     e = torch.empty((), dtype=dtype).element_size()
     return {str(M): traffic.table(M=M, W=README_BYTES_W, L=latent, H=hidden, e=e) for M in README_BYTES_M}
@@ -155,8 +155,8 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print(GPU_ONLY_MSG.format(cmd="bench"), file=sys.stderr)
         return 2
-    from .testing import no_multicast
-    from .tiers import Tier
+    from k3tail.testing import no_multicast
+    from k3tail.tiers import Tier
 
     no_multicast()
     bad = [t for t in (args.tiers or []) if t not in Tier.__members__]
@@ -243,7 +243,7 @@ def main(args) -> int:
                      "on the one GPU, as inside the tiers); lane_large_m_allreduce times FUSED_LANE_AR above the "
                      "lane capacity with the large-M path before the sharded one (large_m='allreduce': fp64 lane "
                      "all-reduce on process groups, fp32 one-shot in loopback)",
-        "bytes": "bytes_per_rank: what one rank sends per layer in the point's algorithm (k3tail.traffic; "
+        "bytes": "bytes_per_rank: what one rank sends per layer in the point's algorithm (k3tail.tools.traffic; "
                  "bytes_formula beside it, W ranks, M tokens, L latent, H hidden, e bytes of the 16-bit dtype); "
                  "large_m_bytes per world: the sharded path, the allreduce path and the seed's bf16 lane "
                  "all-reduce at each M above the lane capacity (process-group formulas); large_m_bytes_w8: the "

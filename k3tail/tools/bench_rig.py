@@ -1,8 +1,8 @@
 """The tier map's rig: per-rank inputs and weights, the ranks of one W with their modules, and
 :func:`bench_world` (every possible tier timed at every M, with the bytes it moves).
 
-Split out of :mod:`k3tail.bench` (which re-exports every name here).  :func:`bench_world` looks
-up ``time_graph`` / ``time_eager`` on :mod:`k3tail.bench_timing` at call time, so whoever replaces them
+Split out of :mod:`k3tail.tools.bench` (which re-exports every name here).  :func:`bench_world` looks
+up ``time_graph`` / ``time_eager`` on :mod:`k3tail.tools.timing` at call time, so whoever replaces them
 there (the CPU tests' fake timers) reaches every point timed here.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from .bench_timing import _rank_uniform_int
+from k3tail.tools.timing import _rank_uniform_int
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,7 +55,7 @@ def rank_weights(*, hidden: int, latent: int, up_rows: int, copies: int, dtype, 
 
 
 def _tier_enum():
-    from .tiers import Tier
+    from k3tail.tiers import Tier
     return Tier
 
 
@@ -67,7 +67,7 @@ def module_accepts(name: str) -> bool:
     large-M path)?  The bench and the tuner build the large-M rigs only where it does."""
     import inspect
 
-    from .module import K3MoETail
+    from k3tail.module import K3MoETail
 
     try:
         params = inspect.signature(K3MoETail.__init__).parameters
@@ -77,7 +77,7 @@ def module_accepts(name: str) -> bool:
 
 
 def large_m_kind(mod) -> str:
-    """The :mod:`k3tail.traffic` kind of ``mod``'s FUSED_LANE_AR above the lane capacity: its
+    """The :mod:`k3tail.tools.traffic` kind of ``mod``'s FUSED_LANE_AR above the lane capacity: its
     ``large_m`` (``"sharded"`` or ``"allreduce"``); a module without the attribute predates the
     sharded path and runs the grouped all-reduce there."""
     return str(getattr(mod, "large_m", "allreduce"))
@@ -105,7 +105,7 @@ class _Rig:
 
     def __init__(self, W: int, cfg, *, multiproc: bool, prefix: str = "layers.0", world=None,
                  module_kwargs: Optional[Dict[str, Any]] = None):
-        from .module import K3MoETail
+        from k3tail.module import K3MoETail
 
         kw = dict(module_kwargs or {})
         self.W, self.cfg, self.multiproc = W, cfg, multiproc
@@ -117,7 +117,7 @@ class _Rig:
             self.mods = [K3MoETail(cfg, None, prefix=prefix, **kw)]
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
-            from .workspace import LoopbackWorld
+            from k3tail.runtime.workspace import LoopbackWorld
 
             self.world = world if world is not None else LoopbackWorld(W)
             self.ranks = list(range(W))
@@ -158,13 +158,13 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
     ``baseline_rig``: the same ranks built with ``large_m="allreduce"`` (the large-M path before
     the sharded one); above the lane capacity its FUSED_LANE_AR is timed as the baseline
     ``lane_large_m_allreduce`` in the same run.  Every point carries the bytes one rank moves
-    per layer (:mod:`k3tail.traffic`)."""
+    per layer (:mod:`k3tail.tools.traffic`)."""
 
     def out_of_time() -> bool:
         return deadline is not None and bool(_rank_uniform_int(int(time.perf_counter() > deadline)))
 
-    from . import bench_timing as _bench  # the timers, looked up at call time (see the module docstring)
-    from . import traffic
+    from k3tail.tools import timing as _bench  # the timers, looked up at call time (see the module docstring)
+    from k3tail.tools import traffic
 
     time_graph, time_eager = _bench.time_graph, _bench.time_eager
 
@@ -252,7 +252,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             return rig.run(lambda k: torch.matmul(normed[k], weights[k][1][i % len(weights[k][1])].t()))
 
         # k3tail.project: the same GEMM with the tiers' epilogue (fp32 prefix + shared, one rounding)
-        from .projection import project
+        from k3tail.ops.projection import project
 
         cols = [slice(rk * rows, (rk + 1) * rows) if cfg.shard_up_proj else slice(0, cfg.hidden)
                 for rk in rig.ranks]  # the columns rank rk's projection produces

@@ -1,6 +1,6 @@
 """Timing of the bench commands: CUDA-graph replay and eager CUDA-event timing, summaries.
 
-Split out of :mod:`k3tail.bench` (which re-exports every name here).  Several processes
+Split out of :mod:`k3tail.tools.bench` (which re-exports every name here).  Several processes
 (torchrun): every host-side count (replays, calls) is rank 0's and every sample is the MAX
 over the ranks, so the collectives inside a replay never see ranks replaying different counts.
 """

@@ -2,8 +2,8 @@
 coordinate descent over a kernel's tactic space (:func:`sweep_kernel`) within a time
 :class:`Budget`.
 
-Split out of :mod:`k3tail.tune` (which re-exports every name here).  Timing goes through
-``k3tail.bench_timing.time_graph``, looked up at call time.
+Split out of :mod:`k3tail.tools.tune` (which re-exports every name here).  Timing goes through
+``k3tail.tools.timing.time_graph``, looked up at call time.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import bench as B
-from . import bench_timing as BT
-from .tune_specs import Spec
+from k3tail.tools import bench as B
+from k3tail.tools import timing as BT
+from k3tail.tools.tune_specs import Spec
 
 
 class Budget:

@@ -9,7 +9,7 @@ shape given (default K3: H 7168, L 3584, top-k 16, bf16):
    (score = sum of the median per-call times), the best kept before the next key.  A
    candidate the op rejects (ValueError) or that fails/times out is skipped and reported.
    ``--full`` widens the value lists and the M sets.
-2. **Crossovers** (:mod:`k3tail.tune_crossovers`).  A ``K3MoETail`` is built with generous
+2. **Crossovers** (:mod:`k3tail.tools.tune_crossovers`).  A ``K3MoETail`` is built with generous
    capacities and the tactics of step 1 (earlier thresholds ignored), and every possible tier
    is timed (graph replay, forced ``tier=``) on a grid of M; where ``K3MoETail`` takes
    ``large_m``, a second one built with ``lane_max_tokens=0, large_m="sharded"`` times the
@@ -49,16 +49,16 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import bench as B
-from . import tuning as T
+from k3tail.tools import bench as B
+from k3tail import tuning as T
 # The implementation lives in three modules; every name importable from here before the split
 # still is (tests patch ``SPECS`` and ``tune_crossovers`` here: ``main`` looks them up here).
-from .tune_crossovers import (LANE_ALTERNATIVE, LARGE_M_TIER, SLOW_REPLAY_US,  # noqa: F401
+from k3tail.tools.tune_crossovers import (LANE_ALTERNATIVE, LARGE_M_TIER, SLOW_REPLAY_US,  # noqa: F401
                               _timings, _wins, crossover_thresholds, prefix_threshold, suffix_threshold,
                               tune_crossovers)
-from .tune_specs import (SPECS, FinalizeSpec, LaneSpec, LatentTailSpec, ProjectSpec, Spec,  # noqa: F401
+from k3tail.tools.tune_specs import (SPECS, FinalizeSpec, LaneSpec, LatentTailSpec, ProjectSpec, Spec,  # noqa: F401
                          _FusedSpec, _inputs, _Project, _weights, spec_shape)
-from .tune_sweep import Budget, _fmt_us, evaluate, sweep_kernel  # noqa: F401
+from k3tail.tools.tune_sweep import Budget, _fmt_us, evaluate, sweep_kernel  # noqa: F401
 
 DEFAULT_KERNELS = ("LatentTail", "LaneAllReduce", "project")
 
@@ -92,8 +92,8 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print(B.GPU_ONLY_MSG.format(cmd="tune"), file=sys.stderr)
         return 2
-    from .testing import no_multicast
-    from .workspace import LoopbackWorld
+    from k3tail.testing import no_multicast
+    from k3tail.runtime.workspace import LoopbackWorld
 
     no_multicast()
     kernels = [] if args.kernels in (["none"], []) else list(args.kernels)
@@ -112,7 +112,7 @@ def main(args) -> int:
     fields = T.device_fields()
     meta = B.results_meta(loopback=True)
     cfg_kwargs = dict(hidden=args.hidden, latent=args.latent, top_k=args.top_k, dtype=B.DTYPES[args.dtype])
-    from .module import TailConfig
+    from k3tail.module import TailConfig
 
     cfg = TailConfig(**cfg_kwargs)
     xms = args.crossover_m or ([1, 2, 4, 8, 16, 32, 64, 128, 256] + ([512, 1024] if args.full else []))
