@@ -92,7 +92,8 @@ def part_a(ms, budget, say):
 
 
 def part_b_c(ms, budget, say):
-    from k3tail.module import K3MoETail, TailConfig
+    from k3tail.config import TailConfig
+    from k3tail.module import K3MoETail
 
     out = {}
     mod = K3MoETail(TailConfig(max_tokens=max(ms), **K3), prefix="bench.prefill.w1")
@@ -176,7 +177,7 @@ def part_d(ms, W, budget, say):
     from k3tail.tiers import Tier
 
     cfg_kw = dict(max_tokens=max(ms), **K3)
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
 
     cfg = TailConfig(**cfg_kw)
     new = B._Rig(W, cfg, multiproc=False, prefix="bench.prefill.new")

@@ -130,11 +130,11 @@ def bench_tail_loopback(log, W: int = 8) -> list:
             def f():
                 l = st["l"] = (st["l"] + 1) % n_layers
                 if deferred:
-                    world.run(lambda r: tails[l][r](prefix=prefix, shared=shared[r], norm_weight=gamma,
+                    world.run(lambda r: tails[l][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
                                                     up_weight=wshard[l][r], expert_out=trip[r][0],
                                                     expert_weights=trip[r][1], expanded_idx=trip[r][2]))
                 else:
-                    world.run(lambda r: tails[l][r](prefix=prefix, shared=shared[r], norm_weight=gamma,
+                    world.run(lambda r: tails[l][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
                                                     up_weight=wshard[l][r], routed=routed[r]))
             return f
 

@@ -245,15 +245,6 @@ def supported_max_tokens(*, world_size: int, latent: int, top_k: int, max_tokens
         return 0, f"flashinfer {flashinfer_version()}: the eligibility probe raised {type(e).__name__}: {e}"
 
 
-def profile_max_tokens(*, width: int, top_k: int, dtype: torch.dtype, world_size: int) -> int:
-    """DEPRECATED: kept only until ``k3tail.vote`` calls :func:`supported_max_tokens` (which also
-    returns the reason).  Asks flashinfer about a :data:`DEFAULT_MAX_TOKENS` capacity with
-    flashinfer's default eps and no routed scale (the probe does not depend on either)."""
-    cap, _ = supported_max_tokens(world_size=world_size, latent=width, top_k=top_k, max_tokens=DEFAULT_MAX_TOKENS,
-                                  dtype=dtype, eps=1e-6, routed_scale=1.0)
-    return cap
-
-
 def _check(name: str, t, *, dtype=None, shape=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"CUTE_FINALIZE: {name} must be a torch.Tensor, got {type(t).__name__}")

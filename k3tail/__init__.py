@@ -15,7 +15,8 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3tail.errors import K3TailError, PeerTimeout, TierUnavailable, WorkspacePoisoned  # noqa: E402
-from k3tail.runtime.workspace import LoopbackWorld, Workspace, create_workspace  # noqa: E402
+from k3tail.runtime.loopback import LoopbackWorld  # noqa: E402
+from k3tail.runtime.workspace import Workspace, create_workspace  # noqa: E402
 from k3tail.runtime.spawn import spawn  # noqa: E402
 from k3tail import reference  # noqa: E402
 

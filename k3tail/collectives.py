@@ -44,14 +44,12 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from k3tail.runtime import launch as L
-from k3tail.ops.allreduce import OneShotAllReduce
 from k3tail.errors import K3TailError
-from k3tail.ops.prefill import ordered_sum, pack_shards
-from k3tail.triton_kernels.allreduce import oneshot_allreduce_kernel
-from k3tail.triton_kernels.lamport import NUM_STAGES
-from k3tail.runtime.loopback import group_identity
-from k3tail.runtime.workspace import DistComm, LoopbackGroup, create_workspace, interpret_mode
+from k3tail.ops.allreduce import Fp32AllReduce, OneShotAllReduce
+from k3tail.ops.exchange import PeerExchange
+from k3tail.ops.prefill import ordered_sum, pack_shards, shard_bounds
+from k3tail.runtime.comm import DistComm
+from k3tail.runtime.loopback import LoopbackGroup, group_identity
 
 PEER_CHUNK = 64  # rows per launch of the peer kind's one-shot all-reduce / gather
 
@@ -241,46 +239,8 @@ class GroupCollectives(Collectives):
 
 
 # ============================================================================ peers (pointer table)
-class PeerFp32AllReduce:
-    """fp32 sum all-reduce through a pointer table (no process-group collective).
-
-    Launches the foundation's ``oneshot_allreduce_kernel`` (its protocol docstring applies
-    unchanged) on an fp32 workspace armed entirely with the 32-bit sentinel: slots carry fp32
-    partials, the sum is fp64 in rank order rounded once to fp32, so nothing is rounded to 16
-    bits.  Rows go in chunks of ``chunk``; every rank launches the same chunk sequence, so the
-    3-stage rotation argument holds per launch.
-    """
-
-    op_name = "K3MoETail.peer_fp32_allreduce"
-
-    def __init__(self, comm, *, width: int, chunk: int, timeout_s: float, device=None):
-        self.comm, self.width, self.chunk, self.timeout_s = comm, width, chunk, timeout_s
-        self.W = comm.world_size
-        nbytes = NUM_STAGES * self.W * chunk * width * 4
-        self.ws = create_workspace(comm, nbytes, device=device, what=self.op_name, arm32=((0, nbytes),))
-        self.block = max(64, min(L.next_pow2(width), 8192 // L.next_pow2(self.W), 1024))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ws = self.ws
-        ws.check(self.op_name, self.timeout_s)
-        out = torch.empty_like(x)
-        chunks = -(-self.width // self.block)
-        pdl = L.pdl_enabled(ws.device)
-        for r0 in range(0, x.shape[0], self.chunk):
-            m = min(self.chunk, x.shape[0] - r0)
-            grid = (min(m * chunks, L.grid_cap(self.comm, ws.device)),)
-            L.launch(oneshot_allreduce_kernel, grid, x[r0:r0 + m], out[r0:r0 + m], ws.table, ws.ctrl,
-                     ws.host_flag, L.clock_arg(ws), ws.rank, m, int(self.timeout_s * 1e9),
-                     WIDTH=self.width, MAX_TOKENS=self.chunk, W=self.W, W_P2=L.next_pow2(self.W),
-                     BLOCK=self.block, NUM_STAGES=NUM_STAGES, USE_GLOBALTIMER=not interpret_mode(),
-                     USE_PDL=pdl, pdl=pdl)
-            L.after_launch(ws, self.op_name, self.timeout_s)
-        return out
-
-
 class _PeerExchange(ShardExchange):
     def __init__(self, comm, device, *, areas: Dict[str, int], widths: Sequence[Sequence[int]], timeout_s):
-        from k3tail.ops.exchange import PeerExchange
 
         super().__init__(comm.rank, comm.world_size, device)
         self.px = PeerExchange(comm, areas=areas, timeout_s=timeout_s, device=device)
@@ -318,11 +278,11 @@ class PeerCollectives(Collectives):
     def __init__(self, comm, device, *, latent: int, hidden: int, dtype: torch.dtype, max_tokens: int,
                  large_m: bool, timeout_s: float):
         super().__init__(comm.rank, comm.world_size, device)
-        from k3tail.ops.prefill import shard_bounds
 
         W, chunk = comm.world_size, min(PEER_CHUNK, max_tokens)
         self.comm, self.chunk = comm, chunk
-        self._ar = {w: PeerFp32AllReduce(comm, width=w, chunk=chunk, timeout_s=timeout_s, device=device)
+        # fp32 slots: the partials travel unrounded (rows in launches of ``chunk``)
+        self._ar = {w: Fp32AllReduce(comm, max_tokens=chunk, width=w, timeout_s=timeout_s, device=device)
                     for w in dict.fromkeys((latent, hidden))}
         self._gather = OneShotAllReduce(comm, max_tokens=chunk, width=hidden, dtype=dtype, timeout_s=timeout_s,
                                         device=device)

@@ -1,4 +1,4 @@
-"""K3MoETail: one module per MoE layer; the tier selector, the vote and all five tiers behind it.
+"""K3MoETail: one module per MoE layer: negotiate, allocate, dispatch.
 
 A serving engine builds one ``K3MoETail`` per MoE layer (collectively, on every rank of the
 tensor-parallel group, outside CUDA-graph capture) and calls it with the layer's partials:
@@ -7,47 +7,25 @@ tensor-parallel group, outside CUDA-graph capture) and calls it with the layer's
 
 Construction (DESIGN §4), in this fixed order on every rank:
 
-1. the device (``device=``, else :func:`k3tail.runtime.workspace.resolve_device`: never guessed from a
-   CPU group) and local probes (:func:`k3tail.vote.local_probes`; the P2P probe allocates one
-   tiny probe workspace, unconditionally, on every rank);
-2. exactly ONE ``comm.all_reduce_min`` of the vote vector -> agreed :class:`TailCaps`;
-3. the tuned-tactics table agreed on rank 0's (``k3tail.tuning``; its tier crossovers can
-   only lower a capacity, never raise it above what is allocated; ``large_m_min_tokens`` is
-   taken as tuned);
-4. the kind of collectives (:func:`k3tail.collectives.collectives_kind`, rank-uniform: a group
-   that cannot run them on the device raises ValueError here, before any allocation);
+1. the device (``device=``, else :func:`k3tail.runtime.workspace.resolve_device`: never guessed
+   from a CPU group), the static check of the group's collectives on it, and the local probes
+   (:func:`k3tail.vote.local_probes`; the P2P probe allocates one tiny workspace on every rank);
+2. exactly ONE ``comm.all_reduce_min`` of the vote vector;
+3. the tuned-tactics table agreed on rank 0's (``k3tail.tuning``), then
+   :func:`k3tail.tiers.decide`: the capacities to allocate, the selector's caps and why each
+   impossible tier is impossible (the one place that decides);
+4. the kind of collectives (:func:`k3tail.collectives.collectives_kind`, rank-uniform);
 5. the collective allocations of the possible tiers, in a fixed order, sized to their
-   ceilings: TAIL_FUSION (LatentTail), FUSED_LANE_AR (LaneAllReduce), the collectives (peer
-   kind: fp32 all-reduces, column gather, the large-M shard exchange), MULTIMEM_AR staging,
-   CUTE_FINALIZE.  A failure inside them is fatal on purpose and is re-raised: the vote already
-   agreed that every rank allocates them, so a rank that fell back alone would strand its peers
-   in the rendezvous of the next allocation; crashing loudly is the only rank-consistent outcome.
+   ceilings: TAIL_FUSION (LatentTail), the lane (LaneAllReduce) or, at W = 1, the local fused
+   op, the collectives, MULTIMEM_AR staging, CUTE_FINALIZE.  A failure inside them is fatal on
+   purpose and is re-raised: the vote already agreed that every rank allocates them, so a rank
+   that fell back alone would strand its peers in the rendezvous of the next allocation;
+6. on a GPU, :meth:`K3MoETail.warmup`: every kernel variant the possible tiers can launch is
+   compiled and loaded, so a CUDA graph can be captured without an eager call first.
 
-The tiers (DESIGN §2; bodies in :mod:`k3tail.tier_paths`, collectives in :mod:`k3tail.collectives`):
-
-* SEPARATE_REDUCE (the reference): routed partial (Triton finalize, k ascending, rounded once to
-  fp32) all-reduced in fp64 (order-free), shared partial in fp32, RMSNorm (fp64 statistic, the
-  normed latent rounded once, :mod:`k3tail.numerics`), projection (one rounding).  On CUDA
-  process groups the routed branch runs on a second stream.
-* FUSED_LANE_AR: :class:`k3tail.ops.finalize_ar_norm.LaneAllReduce` up to ``lane_max_tokens``; above it the
-  sharded large-M path (``large_m="sharded"``, default: finalize into shards, ordered
-  reduce-scatter in fp32 bytes, statistics, normed and output all-gathers), or with
-  ``large_m="allreduce"`` the path before it (one fp64 all-reduce of the lane, kept as the
-  benchmarks' baseline).  Groups without P2P take this tier (sharded path only) from
-  ``caps.large_m_min_tokens`` up.
-* TAIL_FUSION: :class:`k3tail.ops.tail.LatentTail` (mailbox pool key = this module's ``prefix``).
-* MULTIMEM_AR: ``multimem_all_reduce_`` of the staged fp32 lane (:mod:`k3tail.ops.multimem`); only
-  where the vote agreed multicast (never on this project's machines).
-* CUTE_FINALIZE: flashinfer mnnvl-cutedsl (``cute_fallback.mnnvl``, UNVERIFIED on hardware here:
-  no SM100) gives the normed latent; projection shard injected into the fp32 shared partial; one
-  fp32 all-reduce; prefix added; one rounding.
-
-Projection with ``shard_up_proj=True`` (``up_weight`` is this rank's rows ``[H/W, L]``): the
-non-TAIL tiers compute the own column shard ``prefix[:, cols] + normed @ W_shard^T +
-shared_sum[:, cols]`` rounded once and all-gather the shards (an exact copy).  With
-``shard_up_proj=False`` (full ``[H, L]`` weight) they project the full width locally, except the
-large-M path, which projects its own columns (``shard_bounds(H, W)``, uneven where W does not
-divide H) and gathers them.
+A call validates its tensors, looks up the :class:`k3tail.tiers.Plan` of its shape (M, graph
+phase, forced tier: decided once per shape and cached) and runs the plan's body
+(``k3tail.tiers``) over the module's :class:`k3tail.tiers.TierContext`.
 
 torch.compile: under compilation ``forward`` calls the ``k3tail::moe_tail`` custom op
 (handle-registry pattern: the op takes an int handle that names the module; its fake
@@ -68,38 +46,60 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3tail.runtime import launch as L
+from k3tail import tuning
 from k3tail.collectives import collectives_kind, make_collectives
-from k3tail.collectives import PEER_CHUNK as LOOPBACK_CHUNK  # noqa: F401  (re-export)
-from k3tail.collectives import PeerFp32AllReduce as _LoopbackFp32AllReduce  # noqa: F401  (re-export)
-from k3tail.config import DEFAULT_LANE_MAX_TOKENS, TailConfig, _tail_capacity  # noqa: F401  (re-exports)
+from k3tail.config import DEFAULT_LANE_MAX_TOKENS, TailConfig
 from k3tail.errors import K3TailError, TierUnavailable
+from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm, LaneAllReduce
 from k3tail.ops.multimem import MultimemStage
 from k3tail.ops.prefill import shard_bounds
-from k3tail.tier_paths import TierPaths
-from k3tail.tiers import TailCaps, Tier, select_tier
-from k3tail.vote import SoloComm, caps_from, local_probes, run_vote
-from k3tail.runtime.workspace import LoopbackGroup, comm_for, resolve_device
+from k3tail.ops.projection import Projector
+from k3tail.ops.tail import LatentTail
+from k3tail.runtime.checks import check_routed, check_tensor
+from k3tail.runtime.comm import SoloComm, comm_for
+from k3tail.runtime.loopback import LoopbackGroup
+from k3tail.runtime.modes import interpret_mode, warm_only
+from k3tail.runtime.workspace import resolve_device
+from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, decide, plan_for,
+                          select_plan, why_not)
+from k3tail.vote import local_probes, run_vote
 
 log = logging.getLogger("k3tail")
 
 # ops whose kernel tactics K3MoETail takes from the agreed tactic table (``k3tail tune`` writes them)
 TUNED_OPS = ("LatentTail", "LaneAllReduce", "project")
-LARGE_M_PATHS = ("sharded", "allreduce")  # FUSED_LANE_AR above the lane capacity (tier_paths)
-
 
 # --------------------------------------------------------------- process-wide logging
 _log_lock = threading.Lock()
-_logged_negotiated: set = set()
-_logged_tiers: set = set()
+_logged: set = set()
 
 
-def _log_once(store: set, key, level: int, msg: str, *args) -> None:
+def _log_once(key, level: int, msg: str, *args) -> None:
     with _log_lock:
-        if key in store:
+        if key in _logged:
             return
-        store.add(key)
+        _logged.add(key)
     log.log(level, msg, *args)
+
+
+def _agreed_tactics(comm, device, table, cfg: TailConfig, W: int, loopback: bool, explicit: dict):
+    """Rank 0's tactic table, agreed: ``(crossovers, {op: tactics}, source)``.  Explicit ``tactics``
+    win over the table.  A miss logs one warning naming the key (ops then use their documented
+    defaults), except under the interpreter, where nothing is tuned and every rank would warn."""
+    agreed = tuning.agreed_tactics(comm, device=device, table=table)
+    shape = tuning.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
+    # crossovers measured in loopback apply to loopback worlds only (tuning.crossovers)
+    cross = agreed.crossovers(shape=shape, warn=False, loopback=loopback if W > 1 else None)
+    tactics = dict(explicit)
+    for op in TUNED_OPS:
+        if agreed.fields.get("sm") == "interpreter":
+            rec = agreed.table.get(tuning.make_key(op, world_size=W, shape=shape, **agreed.fields))
+            tuned = dict(rec["tactic"]) if rec else {}
+        else:
+            tuned = agreed.get(op, shape=shape, default={})
+        if tuned:
+            tactics[op] = {**tuned, **tactics.get(op, {})}
+    return cross, tactics, agreed.table.source
 
 
 # ----------------------------------------------------------------------- the module
@@ -107,189 +107,207 @@ _handles: Dict[int, "weakref.ReferenceType[K3MoETail]"] = {}
 _handle_ids = itertools.count(1)
 
 
-class K3MoETail(TierPaths, nn.Module):
+class K3MoETail(nn.Module):
     """The MoE tail of one layer: ``prefix_hidden + RMSNorm(sum routed) @ W_up^T + sum shared``.
 
-    ``K3MoETail(config, group=None, *, prefix, device=None)``: ``group`` is a process group
+    ``K3MoETail(config, group=None, *, prefix, device=None, ...)``: ``group`` is a process group
     (None: the default one; without torch.distributed initialized, a world of one) or a
-    :class:`k3tail.LoopbackWorld` group (build every rank with ``world.build``).  ``prefix``
-    names the layer (the mailbox pool key of TAIL_FUSION: a speculative draft layer must use
-    a different prefix from its base layer).  ``device``: where the tensors live (default
-    :func:`k3tail.runtime.workspace.resolve_device`: an NCCL group's current CUDA device, a gloo
-    group's CPU; pass ``device="cuda"`` with a gloo group whose ranks hold CUDA tensors).
-    Construction is collective (see the module docstring).  Extra keyword arguments:
-    ``lane_max_tokens`` (lane collective capacity, default 64), ``large_m`` (``"sharded"``,
-    default, or ``"allreduce"``: the large-M path before it, a baseline), ``exchange``
-    (``"auto"``, ``"peer"`` or ``"group"``: which collectives a process group uses; auto: the
-    group's own where its backend carries the device's tensors, else the peers through
-    symmetric memory), ``tactics_table`` (a ``k3tail.tuning.TacticTable`` to agree instead of
-    the shipped one), ``tactics`` (per-op tactic dicts, identical on every rank:
-    ``{"LatentTail": {...}, "LaneAllReduce": {...}, "project": {...}}``), ``timeout_s``,
-    ``pool_depth``.
+    :class:`k3tail.LoopbackWorld` group (build every rank with ``world.build``).  ``prefix`` is
+    the layer's weight prefix (vLLM's convention, e.g. ``"model.layers.3.mlp"``); it names the
+    layer in errors and keys TAIL_FUSION's mailbox pool, so a speculative draft layer must use a
+    different prefix from its base layer.  ``device``: where the tensors live (default: an NCCL
+    group's current CUDA device, a gloo group's CPU; pass ``device="cuda"`` with a gloo group
+    whose ranks hold CUDA tensors).  Construction is collective (see the module docstring).
 
-    Public: :meth:`tier_for`, :attr:`caps` (agreed, selector thresholds applied),
+    Keyword arguments: ``lane_max_tokens`` (the Lamport lane's capacity, default 64),
+    ``large_m`` (``"sharded"``, default, or ``"allreduce"``: FUSED_LANE_AR's path above the lane),
+    ``exchange`` (``"auto"``, ``"peer"`` or ``"group"``: which collectives a process group uses;
+    auto: the group's own where its backend carries the device's tensors, else the peers through
+    symmetric memory), ``tactics_table`` (a ``k3tail.tuning.TacticTable`` to agree instead of the
+    shipped one), ``tactics`` (per-op tactic dicts, identical on every rank: ``{"LatentTail":
+    {...}, "LaneAllReduce": {...}, "project": {...}}``), ``timeout_s``, ``pool_depth``, ``warmup``
+    (compile every kernel variant at construction on a GPU, default True: see :meth:`warmup`).
+
+    Public: :meth:`forward`, :meth:`tier_for`, :meth:`plan_for`, :meth:`why_not`, :meth:`warmup`,
+    :attr:`caps` (the selector's), :attr:`decision` (all of :func:`k3tail.tiers.decide`),
     :attr:`negotiated` (local probes, agreed vote, possible tiers and why not).
     """
 
     def __init__(self, config: TailConfig, group=None, *, prefix: str, device=None,
                  lane_max_tokens: Optional[int] = None, large_m: str = "sharded", exchange: str = "auto",
                  tactics_table=None, tactics=None, timeout_s: float = 20.0, pool_depth: int = 2,
-                 _multimem_alloc: Optional[Callable] = None, _multimem_allreduce: Optional[Callable] = None):
+                 warmup: bool = True, _multimem_alloc: Optional[Callable] = None,
+                 _multimem_allreduce: Optional[Callable] = None):
         super().__init__()
         if not isinstance(config, TailConfig):
             raise ValueError(f"config must be a TailConfig, got {type(config).__name__}")
         config.validate()
         if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix must be a non-empty str (the layer's name), got {prefix!r}")
+            raise ValueError(f"prefix must be a non-empty str (the layer's weight prefix), got {prefix!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         lane_cap = DEFAULT_LANE_MAX_TOKENS if lane_max_tokens is None else lane_max_tokens
-        if not isinstance(lane_cap, int) or lane_cap < 0:
+        if not isinstance(lane_cap, int) or isinstance(lane_cap, bool) or lane_cap < 0:
             raise ValueError(f"lane_max_tokens must be a non-negative int, got {lane_max_tokens!r}")
         if large_m not in LARGE_M_PATHS:
             raise ValueError(f"large_m must be one of {list(LARGE_M_PATHS)}, got {large_m!r}")
-        self.large_m = large_m
-        self.config = dataclasses.replace(config)
-        self.prefix, self.timeout_s = prefix, float(timeout_s)
         tactics = dict(tactics or {})
         unknown = set(tactics) - set(TUNED_OPS)
         if unknown:
-            raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: LatentTail, LaneAllReduce, project)")
-        self._proj_tactics = tactics.get("project")
+            raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: {', '.join(TUNED_OPS)})")
+        cfg = self.config = dataclasses.replace(config)
+        self.prefix, self.timeout_s, self.large_m = prefix, float(timeout_s), large_m
         self.group = group
-        if group is None and not dist.is_initialized():
-            self.comm = SoloComm()
-        else:
-            self.comm = comm_for(group)
+        self.comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        W, cfg = self.world_size, self.config
+        W = self.world_size
         if cfg.shard_up_proj and (cfg.hidden % W or (cfg.hidden // W) % 8):
             raise ValueError(f"config.hidden ({cfg.hidden}) must be a multiple of 8*W (W={W}) when "
                              f"shard_up_proj=True (each rank owns hidden/W rows of the up-projection)")
         self.device = resolve_device(self.comm, device)
-        self.loopback = isinstance(self.comm, LoopbackGroup)
-        self.bounds_latent, self.bounds_hidden = shard_bounds(cfg.latent, W), shard_bounds(cfg.hidden, W)
-
+        loopback = isinstance(self.comm, LoopbackGroup)
         # what the group cannot do on this device fails here, before the probes allocate anything
         collectives_kind(self.comm, self.device, exchange=exchange, p2p=True)
-        # 1. local probes  2. exactly one MIN all-reduce
+
+        # 1-2. local probes, exactly one MIN all-reduce
         probes = local_probes(cfg, self.comm, self.device, group=group, lane_max_tokens=lane_cap,
-                              tail_max_tokens=_tail_capacity(cfg))
+                              tail_max_tokens=cfg.tail_max_tokens)
         agreed = run_vote(self.comm, probes)
-        alloc_caps, why_not = caps_from(agreed)
-        lane_why_not = why_not.get(Tier.FUSED_LANE_AR)  # why the Lamport lane itself is off (None: it is on)
-        if large_m == "sharded":  # the sharded path needs no P2P: FUSED_LANE_AR is possible for every M
-            alloc_caps = dataclasses.replace(alloc_caps, large_m=True)
-            why_not.pop(Tier.FUSED_LANE_AR, None)
-        self._alloc_caps = alloc_caps
-        # 3. tuned tactics, agreed on rank 0's table (thresholds only lower capacities)
-        caps, self.tactics_source = alloc_caps, None
-        try:
-            from k3tail import tuning  # noqa: F401
-        except ImportError:
-            tuning = None
-        if tuning is not None:
-            agreed_t = tuning.agreed_tactics(self.comm, device=self.device, table=tactics_table)
-            self.tactics_source = agreed_t.table.source
-            shape = tuning.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
-            # crossovers measured in loopback apply to loopback worlds only (tuning.crossovers)
-            cross = agreed_t.crossovers(shape=shape, warn=False, loopback=self.loopback if W > 1 else None)
-            upd = {k: min(getattr(caps, k), int(v)) for k, v in cross.items()
-                   if k.endswith("max_tokens") and hasattr(caps, k)}
-            if "multimem_min_tokens" in cross:
-                upd["multimem_min_tokens"] = max(caps.multimem_min_tokens, int(cross["multimem_min_tokens"]))
-            if "large_m_min_tokens" in cross:  # not a capacity: the sharded path runs any M
-                upd["large_m_min_tokens"] = max(1, int(cross["large_m_min_tokens"]))
-            caps = dataclasses.replace(caps, **upd)
-            # Per-op kernel tactics from the same agreed table; explicit ``tactics`` win.  A miss
-            # logs one warning naming the key (ops then use their documented defaults), except
-            # under the interpreter, where nothing is tuned and every rank would warn.
-            for op in TUNED_OPS:
-                if agreed_t.fields.get("sm") == "interpreter":
-                    key = tuning.make_key(op, world_size=W, shape=shape, **agreed_t.fields)
-                    rec = agreed_t.table.get(key)
-                    tuned = dict(rec["tactic"]) if rec else {}
-                else:
-                    tuned = agreed_t.get(op, shape=shape, default={})
-                if tuned:
-                    tactics[op] = {**tuned, **tactics.get(op, {})}
-            self._proj_tactics = tactics.get("project")
-        self.caps: TailCaps = caps
-        self._why_not = why_not
+        # 3. tuned tactics (rank 0's table) and the decision
+        cross, tactics, self.tactics_source = _agreed_tactics(self.comm, self.device, tactics_table, cfg, W,
+                                                              loopback, tactics)
+        self.decision = d = decide(agreed, world_size=W, large_m=large_m, crossovers=cross)
+        self.caps: TailCaps = d.caps
         self.negotiated = {
             "rank": self.rank, "world_size": W, "device": str(self.device),
-            "backend": "loopback" if self.loopback else getattr(self.comm, "backend", "solo"),
+            "backend": "loopback" if loopback else getattr(self.comm, "backend", "solo"),
             "local": dict(probes.values), "local_why": dict(probes.why), "agreed": dict(agreed),
-            "caps": dataclasses.asdict(caps),
-            "possible": [t.name for t in Tier if t not in why_not],
-            "why_not": {t.name: w for t, w in why_not.items()}, "lane_why_not": lane_why_not,
+            "caps": dataclasses.asdict(d.caps), "possible": [t.name for t in d.possible],
+            "why_not": {t.name: w for t, w in d.why_not.items()}, "lane_why_not": d.lane_why_not,
             "tactics_table": self.tactics_source,
         }
-        key = (getattr(self.comm, "name", ""), W, tuple(sorted(agreed.items())))
-        _log_once(_logged_negotiated, key, logging.INFO,
-                  "k3tail: K3MoETail negotiated on %s (W=%d): caps %s; possible tiers %s; not possible: %s",
-                  self.negotiated["backend"], W, caps, self.negotiated["possible"], self.negotiated["why_not"])
+        _log_once(("negotiated", getattr(self.comm, "name", ""), W, tuple(sorted(agreed.items()))), logging.INFO,
+                  "K3MoETail negotiated on %s (W=%d): possible tiers %s; not possible: %s; caps %s",
+                  self.negotiated["backend"], W, self.negotiated["possible"], self.negotiated["why_not"], d.caps)
 
         # 4. the kind of collectives (rank-uniform; a ValueError here comes before any allocation)
-        p2p = bool(agreed["p2p"] and agreed["peer_reach"])
-        kind = collectives_kind(self.comm, self.device, exchange=exchange, p2p=p2p)
+        kind = collectives_kind(self.comm, self.device, exchange=exchange,
+                                p2p=bool(agreed["p2p"] and agreed["peer_reach"]))
         self.negotiated["collectives"] = kind
         # 5. collective allocations, fixed order, sized to the ceilings (failure = fatal)
-        self._tail = self._lane = self._cute = self._mm = None
-        self._side_stream = None
+        a = d.alloc
         try:
-            if alloc_caps.tail_fusion_max_tokens > 0:
-                from k3tail.ops.tail import LatentTail
-                self._tail = LatentTail(group, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
-                                        routed_scale=cfg.routed_scale, max_tokens=alloc_caps.tail_fusion_max_tokens,
-                                        dtype=cfg.dtype, key=prefix, pool_depth=pool_depth,
-                                        timeout_s=self.timeout_s, tactics=tactics.get("LatentTail"),
-                                        device=self.device)
-            if alloc_caps.fused_ar and alloc_caps.lane_max_tokens > 0:
-                from k3tail.ops.finalize_ar_norm import LaneAllReduce
-                self._lane = LaneAllReduce(group, latent=cfg.latent, hidden=cfg.hidden,
-                                           max_tokens=alloc_caps.lane_max_tokens, top_k=cfg.top_k, eps=cfg.eps,
-                                           routed_scale=cfg.routed_scale, dtype=cfg.dtype,
-                                           timeout_s=self.timeout_s, tactics=tactics.get("LaneAllReduce"),
-                                           device=self.device)
-            self.coll = make_collectives(kind, self.comm, self.device, latent=cfg.latent, hidden=cfg.hidden,
-                                         dtype=cfg.dtype, max_tokens=cfg.max_tokens, large_m=large_m == "sharded",
-                                         timeout_s=self.timeout_s)
-            if alloc_caps.multimem:
-                self._mm = MultimemStage(max_tokens=alloc_caps.multimem_max_tokens, latent=cfg.latent,
-                                         hidden=cfg.hidden, group_name=getattr(self.comm, "name", ""),
-                                         device=self.device, alloc=_multimem_alloc, allreduce_=_multimem_allreduce)
-            if alloc_caps.cute_max_tokens > 0:
+            ctx = TierContext(config=cfg, rank=self.rank, world_size=W, device=self.device,
+                              bounds_latent=shard_bounds(cfg.latent, W), bounds_hidden=shard_bounds(cfg.hidden, W),
+                              coll=None, project=Projector(tactics.get("project")))
+            common = dict(top_k=cfg.top_k, eps=cfg.eps, routed_scale=cfg.routed_scale, dtype=cfg.dtype,
+                          timeout_s=self.timeout_s, device=self.device)
+            if a.tail_fusion_max_tokens > 0:
+                ctx.tail = LatentTail(group, hidden=cfg.hidden, latent=cfg.latent, max_tokens=a.tail_fusion_max_tokens,
+                                      key=prefix, pool_depth=pool_depth, tactics=tactics.get("LatentTail"), **common)
+            if a.solo:
+                ctx.solo = FinalizeAllReduceRMSNorm(None, width=cfg.latent, max_tokens=cfg.max_tokens,
+                                                    tactics=tactics.get("LaneAllReduce"), **common)
+            elif a.fused_ar and a.lane_max_tokens > 0:
+                ctx.lane = LaneAllReduce(group, latent=cfg.latent, hidden=cfg.hidden, max_tokens=a.lane_max_tokens,
+                                         tactics=tactics.get("LaneAllReduce"), **common)
+            ctx.coll = make_collectives(kind, self.comm, self.device, latent=cfg.latent, hidden=cfg.hidden,
+                                        dtype=cfg.dtype, max_tokens=cfg.max_tokens, large_m=large_m == "sharded",
+                                        timeout_s=self.timeout_s)
+            if a.multimem:
+                ctx.multimem = MultimemStage(max_tokens=a.multimem_max_tokens, latent=cfg.latent, hidden=cfg.hidden,
+                                             group_name=getattr(self.comm, "name", ""), device=self.device,
+                                             alloc=_multimem_alloc, allreduce_=_multimem_allreduce)
+            if a.cute_max_tokens > 0:
                 from k3tail.cute_fallback.mnnvl import CuteFinalize
-                self._cute = CuteFinalize(group, rank=self.rank, world_size=W,
-                                          max_tokens=alloc_caps.cute_max_tokens, latent=cfg.latent,
-                                          top_k=cfg.top_k, eps=cfg.eps, routed_scale=cfg.routed_scale,
-                                          dtype=cfg.dtype, device=self.device, pdl=bool(agreed["pdl"]))
+                ctx.cute = CuteFinalize(group, rank=self.rank, world_size=W, max_tokens=a.cute_max_tokens,
+                                        latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
+                                        routed_scale=cfg.routed_scale, dtype=cfg.dtype, device=self.device,
+                                        pdl=bool(agreed["pdl"]))
         except Exception as e:
             raise K3TailError(f"K3MoETail {prefix!r}: rank {self.rank} of {W} failed inside the collective "
                               f"allocations after the vote agreed them ({type(e).__name__}: {e}); this is "
                               f"fatal on purpose: falling back alone would strand the other ranks") from e
         if self.device.type == "cuda" and kind == "group":
-            self._side_stream = torch.cuda.Stream(device=self.device)
+            ctx.side_stream = torch.cuda.Stream(device=self.device)
+        self._ctx = ctx
+        self._plans: Dict[tuple, tuple] = {}
+        self._up_rows = cfg.hidden // W if cfg.shard_up_proj else cfg.hidden
         self._handle = next(_handle_ids)
         _handles[self._handle] = weakref.ref(self)
+        if warmup:
+            self.warmup()
 
     # ------------------------------------------------------------------ public API
     def tier_for(self, num_tokens: int, graph_phase: bool) -> Tier:
         """The tier a call with ``num_tokens`` rows takes (same on every rank)."""
-        return select_tier(num_tokens=num_tokens, graph_phase=bool(graph_phase), caps=self.caps)
+        return self.plan_for(num_tokens, graph_phase).tier
 
-    def possible(self, tier: Tier, num_tokens: int) -> Optional[str]:
-        """None if ``tier`` can run ``num_tokens`` rows here, else why not."""
-        tier = Tier(tier)
-        if tier in self._why_not:
-            return self._why_not[tier]
-        cap = {Tier.TAIL_FUSION: self._alloc_caps.tail_fusion_max_tokens,
-               Tier.CUTE_FINALIZE: self._alloc_caps.cute_max_tokens,
-               Tier.MULTIMEM_AR: self._alloc_caps.multimem_max_tokens}.get(tier)
-        if cap is not None and num_tokens > cap:
-            return f"{num_tokens} tokens exceed its capacity {cap}"
-        return None
+    def plan_for(self, num_tokens: int, graph_phase: bool, tier=None) -> Plan:
+        """The plan (tier and path) of a call with ``num_tokens`` rows; ``tier`` forces a tier
+        (TierUnavailable when it cannot serve that call here)."""
+        if tier is None:
+            return select_plan(num_tokens=num_tokens, graph_phase=_flag("graph_phase", graph_phase), caps=self.caps)
+        tier = Tier.parse(tier)
+        reason = self.why_not(tier, num_tokens)
+        if reason is not None:
+            raise TierUnavailable(f"K3MoETail {self.prefix!r}: tier {tier.name} is not possible for "
+                                  f"{num_tokens} tokens here: {reason}")
+        return plan_for(tier, num_tokens, self.decision.alloc)
+
+    def why_not(self, tier, num_tokens: int) -> Optional[str]:
+        """None when ``tier`` can serve ``num_tokens`` rows here, else why not."""
+        return why_not(self.decision, tier, num_tokens)
+
+    @property
+    def context(self) -> TierContext:
+        """The ops and collectives this module allocated (read-only use: tests, tools, debugging)."""
+        return self._ctx
+
+    def is_possible(self, tier, num_tokens: int) -> bool:
+        return self.why_not(tier, num_tokens) is None
+
+    def warmup(self, *, max_tokens: Optional[int] = None, forms=("triple", "routed"),
+               weight_dtypes=(torch.float32,), norm_dtypes=None) -> int:
+        """Compile and load every kernel variant the possible tiers can launch, so that CUDA-graph
+        capture needs no eager call first (an engine's sequence: construct, one eager forward at its
+        largest M, capture the decode graphs).  Collective: every rank calls it at the same point
+        (construction does, on a GPU).  Nothing is launched: each possible tier runs under
+        ``k3tail.runtime.modes.warm_only`` at every M where a variant can change (1..64, then
+        powers of two up to ``max_tokens``, default the config's) for each input ``form``, routing
+        ``weight_dtype`` and ``norm_weight`` dtype named (default: the config's dtype).  A variant
+        first met later (another routing-weight dtype, an unaligned view) compiles then.  Under the
+        interpreter there is nothing to compile: returns 0.  Returns the number of calls made."""
+        if interpret_mode() or self.device.type != "cuda":
+            return 0
+        cfg = self.config
+        top = min(cfg.max_tokens, max_tokens or cfg.max_tokens)
+        ms = sorted({*range(1, min(64, top) + 1), *(1 << i for i in range(7, top.bit_length())), top})
+        dev, dt = self.device, cfg.dtype
+        H, Lt, K = cfg.hidden, cfg.latent, cfg.top_k
+        big = {"prefix": torch.empty(top, H, dtype=dt, device=dev), "shared": torch.empty(top, H, dtype=dt, device=dev),
+               "routed": torch.empty(top, Lt, dtype=dt, device=dev),
+               "idx": torch.zeros(top, K, dtype=torch.int32, device=dev),
+               "eo": torch.empty(max(1, K), Lt, dtype=dt, device=dev)}
+        up = torch.empty(self._up_rows, Lt, dtype=dt, device=dev)
+        calls = 0
+        with warm_only():
+            for gdt in (norm_dtypes or (dt,)):
+                gamma = torch.empty(Lt, dtype=gdt, device=dev)
+                for form in forms:
+                    for wdt in (weight_dtypes if form == "triple" else (None,)):
+                        w = torch.empty(top, K, dtype=wdt, device=dev) if wdt is not None else None
+                        for M in ms:
+                            rt = (dict(routed=big["routed"][:M]) if form == "routed" else
+                                  dict(expert_out=big["eo"], expert_weights=w[:M], expanded_idx=big["idx"][:M]))
+                            x = TailInputs(big["prefix"][:M], big["shared"][:M], gamma, up,
+                                           rt.get("routed"), rt.get("expert_out"), rt.get("expert_weights"),
+                                           rt.get("expanded_idx"))
+                            for tier in self.decision.possible:
+                                if self.why_not(tier, M) is None and not (tier == Tier.CUTE_FINALIZE and form == "routed"):
+                                    BODIES[plan_for(tier, M, self.decision.alloc).path](self._ctx, x)
+                                    calls += 1
+        return calls
 
     def extra_repr(self) -> str:
         c = self.config
@@ -298,77 +316,74 @@ class K3MoETail(TierPaths, nn.Module):
 
     def forward(self, *, prefix_hidden, shared, norm_weight, up_weight, routed=None, expert_out=None,
                 expert_weights=None, expanded_idx=None, graph_phase=None, tier=None):
-        gp = -1 if graph_phase is None else int(bool(graph_phase))
-        tr = -1 if tier is None else int(Tier(tier))
+        """The layer's tail output ``[M, hidden]``.  ``graph_phase``: None detects CUDA-graph capture
+        (TAIL_FUSION and CUTE_FINALIZE engage only in the graph phase; under the interpreter there is
+        no graph, and ``graph_phase=True`` runs TAIL_FUSION eagerly, which is how CPU tests reach it);
+        ``tier``: force a tier (a Tier, its name or value)."""
+        gp = -1 if graph_phase is None else int(_flag("graph_phase", graph_phase))
+        tr = -1 if tier is None else int(Tier.parse(tier))
         if torch.compiler.is_compiling():
             return torch.ops.k3tail.moe_tail(self._handle, prefix_hidden, shared, norm_weight, up_weight,
                                              routed, expert_out, expert_weights, expanded_idx, gp, tr)
-        return self._run(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
-                         expanded_idx, gp, tr)
+        return self._call(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
+                          expanded_idx, gp, tr)
 
     # ---------------------------------------------------------------- internals
-    def _validate(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
-                  expanded_idx) -> int:
+    def _validate(self, x: TailInputs) -> int:
         c, dev = self.config, self.device
-        L.check_tensor("prefix_hidden", prefix_hidden, dtype=c.dtype, device=dev, ndim=2, shape=(None, c.hidden))
-        M = prefix_hidden.shape[0]
+        check_tensor("prefix_hidden", x.prefix_hidden, dtype=c.dtype, device=dev, ndim=2, shape=(None, c.hidden))
+        M = x.prefix_hidden.shape[0]
         if M > c.max_tokens:
             raise ValueError(f"prefix_hidden has {M} rows but config.max_tokens is {c.max_tokens}")
-        L.check_tensor("shared", shared, dtype=c.dtype, device=dev, ndim=2, shape=(M, c.hidden))
-        L.check_tensor("norm_weight", norm_weight, dtypes=(c.dtype, torch.float32), device=dev, ndim=1,
-                       shape=(c.latent,))
-        rows = c.hidden // self.world_size if c.shard_up_proj else c.hidden
-        L.check_tensor("up_weight", up_weight, dtype=c.dtype, device=dev, ndim=2, shape=(rows, c.latent))
-        triple = (expert_out, expert_weights, expanded_idx)
-        n = sum(t is not None for t in triple)
-        if routed is not None and n:
-            raise ValueError("routed: pass either routed or the triple (expert_out, expert_weights, expanded_idx)")
-        if routed is None and n != 3:
-            raise ValueError("routed: pass routed [M, latent] or all of expert_out, expert_weights, expanded_idx")
-        if routed is not None:
-            L.check_tensor("routed", routed, dtype=c.dtype, device=dev, ndim=2, shape=(M, c.latent))
-        else:
-            L.check_tensor("expanded_idx", expanded_idx, device=dev, ndim=2, shape=(M, c.top_k))
-            if expanded_idx.dtype != torch.int32:
-                raise ValueError(f"expanded_idx must have dtype torch.int32, got {expanded_idx.dtype}")
-            L.check_tensor("expert_weights", expert_weights,
-                           dtypes=(torch.bfloat16, torch.float16, torch.float32), device=dev, ndim=2,
-                           shape=(M, c.top_k))
-            L.check_tensor("expert_out", expert_out, dtype=c.dtype, device=dev, ndim=2, shape=(None, c.latent))
-            L.check_indices(expanded_idx, expert_out.shape[0])
+        check_tensor("shared", x.shared, dtype=c.dtype, device=dev, ndim=2, shape=(M, c.hidden))
+        check_tensor("norm_weight", x.norm_weight, dtypes=(c.dtype, torch.float32), device=dev, ndim=1,
+                     shape=(c.latent,))
+        check_tensor("up_weight", x.up_weight, dtype=c.dtype, device=dev, ndim=2, shape=(self._up_rows, c.latent))
+        check_routed(routed=x.routed, expert_out=x.expert_out, expert_weights=x.expert_weights,
+                     expanded_idx=x.expanded_idx, M=M, width=c.latent, top_k=c.top_k, dtype=c.dtype, device=dev)
         return M
 
-    def _run(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
-             expanded_idx, gp: int, tr: int) -> torch.Tensor:
-        M = self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
-                           expanded_idx)
+    def _plan(self, M: int, gp: int, tr: int) -> Callable:
+        key = (M, gp, tr)
+        hit = self._plans.get(key)
+        if hit is not None:
+            return hit
+        graph_phase = bool(gp) if gp >= 0 else False
+        plan = self.plan_for(M, graph_phase, None if tr < 0 else Tier(tr))
+        if tr < 0:
+            _log_once(("plan", self.prefix, self.caps, key), logging.DEBUG,
+                      "K3MoETail %r: %d tokens (graph_phase=%s) take tier %s, path %s", self.prefix, M,
+                      graph_phase, plan.tier.name, plan.path)
+        else:
+            _log_once(("forced", self.prefix, key), logging.DEBUG, "K3MoETail %r: %d tokens forced to tier %s, path %s",
+                      self.prefix, M, plan.tier.name, plan.path)
+        body = BODIES[plan.path]
+        if len(self._plans) > 4096:  # prefill sees many distinct M: keep the cache bounded
+            self._plans.clear()
+        self._plans[key] = body
+        return body
+
+    def _call(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
+              expanded_idx, gp: int, tr: int) -> torch.Tensor:
+        x = TailInputs(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
+                       expanded_idx)
+        M = self._validate(x)
         if gp < 0:
-            graph_phase = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        else:
-            graph_phase = bool(gp)
-        if tr >= 0:
-            tier = Tier(tr)
-            why = self.possible(tier, M)
-            if why is not None:
-                raise TierUnavailable(f"K3MoETail {self.prefix!r}: tier {tier.name} is not possible for "
-                                      f"{M} tokens here: {why}")
-        else:
-            tier = self.tier_for(M, graph_phase)
-            _log_once(_logged_tiers, (self.caps, M, graph_phase), logging.DEBUG,
-                      "k3tail: %d tokens (graph_phase=%s) take tier %s", M, graph_phase, tier.name)
+            gp = int(self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        body = self._plan(M, gp, tr)
         if M == 0:
             return torch.empty(0, self.config.hidden, dtype=self.config.dtype, device=self.device)
-        args = dict(prefix=prefix_hidden, shared=shared, norm_weight=norm_weight, up_weight=up_weight,
-                    routed=routed, expert_out=expert_out, expert_weights=expert_weights, expanded_idx=expanded_idx)
-        if tier == Tier.TAIL_FUSION:
-            return self._tier_tail(**args)
-        if tier == Tier.FUSED_LANE_AR:
-            return self._tier_lane(**args)
-        if tier == Tier.MULTIMEM_AR:
-            return self._tier_multimem(**args)
-        if tier == Tier.CUTE_FINALIZE:
-            return self._tier_cute(**args)
-        return self._tier_separate(**args)
+        return body(self._ctx, x)
+
+
+def _flag(name: str, value) -> bool:
+    """A bool argument: True/False (or 0/1); anything else is a ValueError naming it (a truthy
+    string such as "no" must not silently select a tier)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be True, False or None, got {value!r}")
 
 
 # -------------------------------------------------------------- torch.compile custom op
@@ -386,8 +401,8 @@ def moe_tail(handle: int, prefix_hidden: torch.Tensor, shared: torch.Tensor, nor
              expert_weights: Optional[torch.Tensor], expanded_idx: Optional[torch.Tensor],
              graph_phase: int, tier: int) -> torch.Tensor:
     """The whole tail of the K3MoETail named by ``handle`` (graph_phase/tier: -1 = None)."""
-    return _lookup(handle)._run(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out,
-                                expert_weights, expanded_idx, graph_phase, tier)
+    return _lookup(handle)._call(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out,
+                                 expert_weights, expanded_idx, graph_phase, tier)
 
 
 @moe_tail.register_fake

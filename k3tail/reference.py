@@ -101,12 +101,12 @@ def finalize_allreduce_rmsnorm(partials: Sequence[torch.Tensor], norm_weight: to
     return rmsnorm(s, norm_weight, eps), s
 
 
-def tail(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
+def tail(*, prefix_hidden: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
          norm_weight: torch.Tensor, up_weight: torch.Tensor, eps: float,
          latent_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Contract-faithful fp64 reference of the whole MoE tail (DESIGN §1).
 
-    ``out = prefix + round_latent(RMSNorm(sum_r partial_r)) @ W_up^T + sum_r shared_r``, where
+    ``out = prefix_hidden + round_latent(RMSNorm(sum_r partial_r)) @ W_up^T + sum_r shared_r``, where
     the normed latent is rounded to ``latent_dtype`` (the contract rounds it once, it feeds a
     16-bit GEMM) and everything else stays fp64.  ``up_weight`` is the full ``[H, L]``.
     Returns fp64 ``[M, H]``; compare the kernel's (once-rounded) output to it in ulps.
@@ -115,7 +115,7 @@ def tail(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequ
     for p in partials:
         s += p
     normed = rmsnorm(s, norm_weight, eps).to(latent_dtype).to(torch.float64)
-    out = f64(prefix) + normed @ f64(up_weight).T
+    out = f64(prefix_hidden) + normed @ f64(up_weight).T
     for sh in shared:
         out += f64(sh)
     return out
@@ -131,13 +131,13 @@ def lane(partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor], norm_
     return rmsnorm(s, norm_weight, eps), all_reduce(shared)
 
 
-def project(normed: torch.Tensor, up_weight: torch.Tensor, prefix: Optional[torch.Tensor] = None,
+def project(normed: torch.Tensor, up_weight: torch.Tensor, prefix_hidden: Optional[torch.Tensor] = None,
             shared_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Reference of the projection epilogue: ``prefix + normed @ up_weight^T + shared_sum`` in fp64
+    """Reference of the projection epilogue: ``prefix_hidden + normed @ up_weight^T + shared_sum`` in fp64
     (``normed`` is taken as given: the contract rounds it before the GEMM)."""
     out = f64(normed) @ f64(up_weight).T
-    if prefix is not None:
-        out = f64(prefix) + out
+    if prefix_hidden is not None:
+        out = f64(prefix_hidden) + out
     if shared_sum is not None:
         out = out + f64(shared_sum)
     return out
@@ -165,16 +165,16 @@ def tail_tie_slack(*, partials: Sequence[torch.Tensor], norm_weight: torch.Tenso
     return slack, int(near.sum())
 
 
-def tail_noise_floor(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
+def tail_noise_floor(*, prefix_hidden: torch.Tensor, partials: Sequence[torch.Tensor], shared: Sequence[torch.Tensor],
                      norm_weight: torch.Tensor, up_weight: torch.Tensor, eps: float,
                      latent_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Per-output absolute floor below which two correct fp32 implementations of the tail's
-    projection may legitimately disagree: ``2^-24 * (4 sqrt(L) ||n_l W[h, l]||_2 + 2 (|prefix| +
+    projection may legitimately disagree: ``2^-24 * (4 sqrt(L) ||n_l W[h, l]||_2 + 2 (|prefix_hidden| +
     sum_r |shared_r|))``.
 
     Two GEMMs that accumulate the same L products in fp32 in different orders (cuBLAS, a Triton
     skinny GEMM, split-K) differ by a random walk of rounding errors, ~ 2^-24 sqrt(L) times the
-    products' 2-norm (4 sigma here); adding prefix and shared in fp32 adds one rounding each.
+    products' 2-norm (4 sigma here); adding prefix_hidden and shared in fp32 adds one rounding each.
     At an output near zero (cancellation) this absolute amount is many 16-bit ulps although both
     results are correct to fp32 precision.  It is well below what a latent rounding flip moves
     (``2^-8 |n_l W[h, l]|`` for one element), so a tier that forms the latent differently still
@@ -187,7 +187,7 @@ def tail_noise_floor(*, prefix: torch.Tensor, partials: Sequence[torch.Tensor], 
     w = f64(up_weight)
     L_ = w.shape[1]
     gemm = 4.0 * math.sqrt(L_) * torch.sqrt((n * n) @ (w * w).T)
-    addends = f64(prefix).abs()
+    addends = f64(prefix_hidden).abs()
     for sh in shared:
         addends = addends + f64(sh).abs()
     return 2.0 ** -24 * (gemm + 2.0 * addends)

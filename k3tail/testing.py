@@ -84,14 +84,14 @@ def check_ulp(out: torch.Tensor, reference: torch.Tensor, *, max_ulp: float = 1.
     return st
 
 
-def check_tail(out: torch.Tensor, *, prefix, partials, shared, norm_weight, up_weight, eps: float,
+def check_tail(out: torch.Tensor, *, prefix_hidden, partials, shared, norm_weight, up_weight, eps: float,
                frac: float = 0.999, what: str = "tail") -> dict:
     """Check a tail output against the contract-faithful fp64 reference (``reference.tail``):
     at least ``frac`` of the elements within 1 ulp, where a latent element that sits on a
     rounding midpoint within fp32 noise may round either way (``reference.tail_tie_slack``
     says why and adds its effect to the bound); no NaN.  Returns the error stats (signed
     bias included) and the number of near-tie latent elements."""
-    r64 = ref.tail(prefix=prefix, partials=partials, shared=shared, norm_weight=norm_weight,
+    r64 = ref.tail(prefix_hidden=prefix_hidden, partials=partials, shared=shared, norm_weight=norm_weight,
                    up_weight=up_weight, eps=eps, latent_dtype=out.dtype)
     slack, n_ties = ref.tail_tie_slack(partials=partials, norm_weight=norm_weight, up_weight=up_weight,
                                        eps=eps, latent_dtype=out.dtype)

@@ -324,7 +324,7 @@ def agree_table(comm, table: TacticTable) -> TacticTable:
     accepts (a process group, None for the default group, a LoopbackWorld group).
     Collective: every rank of the group must call it at the same point.
     """
-    from k3tail.runtime.workspace import comm_for
+    from k3tail.runtime.comm import comm_for
 
     c = comm_for(comm)
     agreed = c.broadcast_object(table if c.rank == 0 else None, src=0)
@@ -363,7 +363,7 @@ def agreed_tactics(group=None, *, device=None, table: Optional[TacticTable] = No
     Agreeing the key fields too matters on mixed machines: a rank whose device name differs
     would otherwise look up a different key and pick a different kernel.
     """
-    from k3tail.runtime.workspace import comm_for
+    from k3tail.runtime.comm import comm_for
 
     c = comm_for(group)
     local = (table if table is not None else load_table(),

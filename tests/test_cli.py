@@ -143,7 +143,7 @@ def test_summarize_median_p99():
 
 
 def test_tier_ranges_follow_caps():
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
     from k3tail.tiers import TailCaps
 
     cfg = TailConfig(max_tokens=8192)
@@ -195,12 +195,12 @@ def test_prefix_threshold_and_crossovers():
 
 def test_tune_specs_cover_the_ops_tactic_keys():
     """The sweep spaces only use keys the ops accept (an unknown key would be rejected)."""
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
 
     cfg = TailConfig()
     lt = TU.SPECS["LatentTail"].space(True, 8, cfg)
     from k3tail.ops import tail
-    known = set(tail._default_tactics(hidden=7168, latent=3584, W=8, device=torch.device("cpu")))
+    known = set(tail.default_tactics(hidden=7168, latent=3584, W=8, device=torch.device("cpu")))
     assert set(lt) <= known, set(lt) - known
     from k3tail.ops.finalize_ar_norm import TACTIC_KEYS, FinalizeAllReduceRMSNorm
     for name in ("LaneAllReduce", "FinalizeAllReduceRMSNorm"):
@@ -298,7 +298,7 @@ class _FakeTail:
 
 class _FakeRig:
     def __init__(self, caps, W=2):
-        from k3tail.module import TailConfig
+        from k3tail.config import TailConfig
 
         self.W, self.ranks, self.device, self.multiproc = W, list(range(W)), torch.device("cpu"), False
         self.cfg = TailConfig(hidden=64, latent=32, top_k=4, max_tokens=64)
@@ -414,7 +414,7 @@ def test_tune_coordinate_descent_with_fakes(monkeypatch):
 def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, capsys):
     """`k3tail tune` end to end with the GPU parts faked: entries keyed as K3MoETail looks them
     up, crossovers stored, an existing table merged, progress printed."""
-    import k3tail.runtime.workspace as WS
+    import k3tail.runtime.loopback as WS
     from k3tail import tuning as T
 
     fields = {"device_name": "Fake GPU", "sm": "9.0", "triton": "3.6.0"}

@@ -12,7 +12,13 @@ from k3tail import reference as R
 from k3tail import testing as T
 from k3tail.cute_fallback import mnnvl
 from k3tail.tiers import Tier
-from k3tail.vote import caps_from, VOTE_FIELDS
+from k3tail.tiers import decide
+from k3tail.vote import VOTE_FIELDS
+
+
+def caps_from(agreed):
+    d = decide(agreed, world_size=8)
+    return d.alloc, d.why_not
 
 FAKES = os.path.join(os.path.dirname(__file__), "fakes")
 
@@ -135,15 +141,6 @@ def test_supported_max_tokens_without_flashinfer(monkeypatch):
     cap, why = mnnvl.supported_max_tokens(**_ASK)
     assert cap == 0 and "flashinfer" in why
     mnnvl.reset_cache()
-
-
-def test_deprecated_profile_max_tokens(fake_flashinfer):
-    """Kept only until k3tail.vote calls supported_max_tokens."""
-    assert mnnvl.profile_max_tokens(width=7168, top_k=16, dtype=torch.bfloat16, world_size=8) == 0  # no GPU
-    fake_flashinfer.MACHINE["capability"] = (10, 0)
-    assert mnnvl.profile_max_tokens(width=7168, top_k=16, dtype=torch.bfloat16, world_size=8) == \
-        mnnvl.DEFAULT_MAX_TOKENS
-    assert mnnvl.profile_max_tokens(width=3584, top_k=16, dtype=torch.bfloat16, world_size=8) == 0
 
 
 def _agreed(**over):

@@ -75,8 +75,9 @@ def _constructors(W):
     from k3tail.ops.exchange import PeerExchange
     from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm, LaneAllReduce
     from k3tail.ops.tail import LatentTail
-    from k3tail.vote import probe_p2p
-    from k3tail.runtime.workspace import comm_for, create_workspace
+    from k3tail.ops.p2p_probe import probe_p2p
+    from k3tail.runtime.comm import comm_for
+    from k3tail.runtime.workspace import create_workspace
 
     H, Lt, K = TAIL_SHAPE
     return {
@@ -144,7 +145,7 @@ def _rank_default_and_explicit_cpu(rank, W, seed):
         prefix, gamma, up, shared, rt = T.tail_inputs(hidden=H, latent=Lt, top_k=K, M=3, W=W, rank=rank,
                                                       form="triple", seed=seed + i)
         S = H // W
-        y_tail = tail(prefix=prefix, shared=shared, norm_weight=gamma,
+        y_tail = tail(prefix_hidden=prefix, shared=shared, norm_weight=gamma,
                       up_weight=up[rank * S:(rank + 1) * S].contiguous(), **rt)
         normed, shsum = lane(norm_weight=gamma, shared=shared, **rt)
         out[tag] = {"x": x, "y": ar(x), "tail_in": (prefix, gamma, up, shared, rt), "tail": y_tail,
@@ -168,7 +169,7 @@ def test_cpu_default_device_of_a_gloo_group_and_explicit_cpu():
         shared = [i[3] for i in ins]
         outs = [res[r][tag]["tail"] for r in range(W)]
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), tag
-        T.check_tail(outs[0], prefix=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up,
+        T.check_tail(outs[0], prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up,
                      eps=1e-5, what=f"{tag} tail")
         n64, s64 = R.lane(parts, shared, gamma, 1e-5)
         for r in range(W):
@@ -206,7 +207,7 @@ def _rank_cuda(rank, W, seed):
     import torch.distributed as dist
 
     from k3tail.ops.tail import LatentTail
-    from k3tail.runtime.workspace import comm_for
+    from k3tail.runtime.comm import comm_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
     backend = str(dist.get_backend())
@@ -222,7 +223,7 @@ def _rank_cuda(rank, W, seed):
                                                       form="triple" if call % 2 == 0 else "routed",
                                                       seed=seed + call, device=dev)
         S = H // W
-        o = tail(prefix=prefix, shared=shared, norm_weight=gamma,
+        o = tail(prefix_hidden=prefix, shared=shared, norm_weight=gamma,
                  up_weight=up[rank * S:(rank + 1) * S].contiguous(), **rt)
         cpu = lambda t: t.cpu()  # noqa: E731
         outs.append({"in": (cpu(prefix), cpu(gamma), cpu(up), cpu(shared), {k: cpu(v) for k, v in rt.items()}),
@@ -251,5 +252,5 @@ def test_gpu_two_processes_one_gpu_explicit_device():
         prefix, gamma, up = ins[0][:3]
         outs = [res[r]["tail"][c]["out"] for r in range(W)]
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), c
-        T.check_tail(outs[0], prefix=prefix, partials=[R.rank_partial(**i[4]) for i in ins],
+        T.check_tail(outs[0], prefix_hidden=prefix, partials=[R.rank_partial(**i[4]) for i in ins],
                      shared=[i[3] for i in ins], norm_weight=gamma, up_weight=up, eps=1e-5, what=f"tail call {c}")

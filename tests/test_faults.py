@@ -73,7 +73,7 @@ def _sync_check(mod):
     check = getattr(mod, "check", None)
     if callable(check):
         return check()
-    for op in (mod._tail, mod._lane):
+    for op in (mod.context.tail, mod.context.lane):
         if op is not None:
             op.check()
 
@@ -171,7 +171,7 @@ def _check_first_call(res, shape, W):
         shared.append(sh)
     for r in range(W):
         assert torch.equal(res[r]["first"].view(torch.int16), res[0]["first"].view(torch.int16)), f"rank {r} differs"
-    return T.check_tail(res[0]["first"], prefix=prefix, partials=parts, shared=shared, norm_weight=gamma,
+    return T.check_tail(res[0]["first"], prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma,
                         up_weight=up, eps=1e-5, what="first call")
 
 

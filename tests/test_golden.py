@@ -39,7 +39,7 @@ LANE = 4
 
 
 def _tier_names(mod, M):
-    return [t for t in k3tail.Tier if mod.possible(t, M) is None]
+    return [t for t in k3tail.Tier if mod.why_not(t, M) is None]
 
 
 def _module_cases(rank, W, out, *, dtype=torch.bfloat16, variants):
@@ -86,14 +86,14 @@ def _op_cases(rank, W, out):
         out[f"op/W{W}/LatentTail/M{M}"] = tail(prefix_hidden=prefix, shared=shared_h, norm_weight=gamma,
                                                up_weight=up, expert_out=eo, expert_weights=w, expanded_idx=idx) \
             if _tail_takes_prefix_hidden() else \
-            tail(prefix=prefix, shared=shared_h, norm_weight=gamma, up_weight=up, expert_out=eo,
+            tail(prefix_hidden=prefix, shared=shared_h, norm_weight=gamma, up_weight=up, expert_out=eo,
                  expert_weights=w, expanded_idx=idx)
     if W == 1:
         from k3tail import project
         for M in (4, 17):
             normed = T.randn((M, Lt), torch.bfloat16, 1700 + M)
             up = T.randn((H, Lt), torch.bfloat16, 1701, scale=Lt ** -0.5)
-            out[f"op/project/M{M}"] = project(normed, up, prefix=T.randn((M, H), torch.bfloat16, 1702 + M),
+            out[f"op/project/M{M}"] = project(normed, up, prefix_hidden=T.randn((M, H), torch.bfloat16, 1702 + M),
                                               shared_sum=T.randn((M, H), torch.float32, 1703 + M))
 
 

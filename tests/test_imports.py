@@ -136,3 +136,66 @@ def test_import_k3tail_does_not_import_flashinfer():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "BAD []" in p.stdout
+
+
+# ------------------------------------------------------------------ the layers (DESIGN §11)
+# Bottom to top; a module may import modules of its own layer or below, never above.
+LAYERS = (
+    ("kernels", ("k3tail.triton_kernels", "k3tail.errors")),
+    ("runtime", ("k3tail.config", "k3tail.numerics", "k3tail.reference", "k3tail.runtime")),
+    ("ops", ("k3tail.ops", "k3tail.cute_fallback")),
+    ("collectives", ("k3tail.collectives", "k3tail.tuning", "k3tail.vote")),
+    ("tiers", ("k3tail.tiers",)),
+    ("module", ("k3tail.module",)),
+    ("tools", ("k3tail.tools", "k3tail.testing", "k3tail.__main__")),
+)
+
+
+def layer_of(mod: str) -> int:
+    if mod == "k3tail":
+        return len(LAYERS)  # the package's public face names every layer (lazily)
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(mod == p or mod.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{mod} is in no layer: add it to tests/test_imports.LAYERS")
+
+
+def test_imports_go_down_the_layers():
+    g = import_graph()
+    up = [(m, t) for m, targets in g.items() for t in targets
+          if t != "k3tail" and layer_of(t) > layer_of(m)]
+    assert not up, "imports that go up a layer: " + ", ".join(f"{m} -> {t}" for m, t in sorted(up))
+
+
+def _top_level_names(path: Path) -> set:
+    names = set()
+    for n in ast.parse(path.read_text()).body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                names |= {x.id for x in ast.walk(t) if isinstance(x, ast.Name)}
+    return names
+
+
+def test_names_come_from_their_defining_module_and_privates_stay_home():
+    """No facades: ``from k3tail.X import name`` names something X defines (a module of the package
+    is fine too), except the package's public names; and no module imports another's private name."""
+    mods = _modules()
+    defined = {m: _top_level_names(p) for m, (p, _) in mods.items()}
+    bad = []
+    for mod, (path, is_pkg) in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _resolve(mod, is_pkg, node.level, node.module)
+            if not base.startswith("k3tail"):
+                continue
+            for a in node.names:
+                if f"{base}.{a.name}" in mods or base == "k3tail":
+                    continue
+                if a.name not in defined.get(base, ()):
+                    bad.append(f"{mod}: {a.name} from {base}, which does not define it")
+                elif a.name.startswith("_"):
+                    bad.append(f"{mod}: private {a.name} from {base}")
+    assert not bad, "\n".join(bad)

@@ -27,13 +27,14 @@ def _tail(tr):
     from k3tail.ops.tail import LatentTail
 
     tail = LatentTail(hidden=H, latent=L, top_k=K, key="indices.test", max_tokens=4)
-    return tail(prefix=T.randn((M, H), torch.bfloat16, 1), shared=T.randn((M, H), torch.bfloat16, 2),
+    return tail(prefix_hidden=T.randn((M, H), torch.bfloat16, 1), shared=T.randn((M, H), torch.bfloat16, 2),
                 norm_weight=torch.ones(L, dtype=torch.bfloat16),
                 up_weight=T.randn((H, L), torch.bfloat16, 3, scale=L ** -0.5), **tr)
 
 
 def _module(tr):
-    from k3tail.module import K3MoETail, TailConfig
+    from k3tail.config import TailConfig
+    from k3tail.module import K3MoETail
 
     mod = K3MoETail(TailConfig(hidden=H, latent=L, top_k=K, max_tokens=4), prefix="indices.test.mod")
     return mod(prefix_hidden=T.randn((M, H), torch.bfloat16, 1), shared=T.randn((M, H), torch.bfloat16, 2),

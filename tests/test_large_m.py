@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import k3tail
+from k3tail import tiers
 from k3tail import reference as R
 from k3tail import testing as T
 from k3tail.tiers import TailCaps, Tier, select_tier
@@ -39,16 +40,24 @@ def _inputs(cfg, M, W, rank, form="triple", seed=0, device="cpu"):
     return dict(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
 
 
+_COUNTED: dict = {}
+_SHARDED_BODY = tiers.BODIES["sharded"]
+
+
+def _counting_body(ctx, x):
+    mod = _COUNTED.get(id(ctx))
+    if mod is not None:
+        mod.sharded_calls += 1
+    return _SHARDED_BODY(ctx, x)
+
+
+tiers.BODIES["sharded"] = _counting_body  # every module's plan looks its body up here
+
+
 def _counted(mod):
     """Count the sharded path's calls (so a silent fallback cannot pass as equality)."""
     mod.sharded_calls = 0
-    inner = mod._large_m_sharded
-
-    def wrapped(**kw):
-        mod.sharded_calls += 1
-        return inner(**kw)
-
-    mod._large_m_sharded = wrapped
+    _COUNTED[id(mod.context)] = mod
     return mod
 
 
@@ -94,14 +103,14 @@ def check_case(per_rank_outs, cfg, M, W, form, seed, what, *, fp64_check=True):
     prefix, gamma = x["prefix_hidden"], x["norm_weight"]
     up = T.tail_inputs(hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, M=M, W=W, rank=0, form=form,
                        dtype=cfg.dtype, seed=seed)[2]
-    floor = R.tail_noise_floor(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
+    floor = R.tail_noise_floor(prefix_hidden=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
                                eps=cfg.eps)
     agree = R.tier_agreement(main, o0["separate"], floor)
     assert agree["beyond"] == 0, f"{what}: {agree['beyond']} elements beyond the tier-agreement bound " \
                                  f"of SEPARATE_REDUCE (max {agree['max_ulp']:.1f} ulp)"
     line = f"{what}: vs SEPARATE max {agree['max_ulp']:.2f} ulp"
     if fp64_check:
-        st = T.check_tail(main, prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
+        st = T.check_tail(main, prefix_hidden=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
                           eps=cfg.eps, what=what)
         line += (f"; vs fp64 max {st['max_ulp']:.2f} ulp, within bound {st['frac_within_bound']:.5f}, "
                  f"bias {st['bias']:+.2e} (rel {st['rel_bias']:+.2e})")
@@ -129,7 +138,7 @@ def _cpu_worker(rank, W, plans):
             outs = _run_case(mods, cfg, M, W, rank, form, seed=i + 1)
             ran = {k: mods[k].sharded_calls - before[k] for k in ("sharded_group", "sharded_peer", "allreduce")}
             out.append((i, M, form, outs, ran, time.time() - t0))
-        assert mods["sharded_group"].coll.exchange._areas == {}, "per-call scratch outlived the call"
+        assert mods["sharded_group"].context.coll.exchange._areas == {}, "per-call scratch outlived the call"
     return out
 
 
@@ -158,24 +167,32 @@ def test_large_m_cpu_ranks(W):
               f"({secs:.1f}s)")
 
 
-def test_large_m_solo_and_selector():
-    """W = 1 (no communication): the sharded path is the production path above the lane capacity and
-    equals the allreduce path bit for bit; groups without P2P take it from large_m_min_tokens up."""
+def test_large_m_solo_and_selector(monkeypatch):
+    """W = 1 (no communication): with the solo path off (K3TAIL_DISABLE_FUSED_AR=1) the sharded path
+    runs above the lane capacity and equals the allreduce path and the solo path bit for bit; groups
+    without P2P take it from large_m_min_tokens up."""
     cfg = k3tail.TailConfig(max_tokens=40, **SMALL)
-    mods = {"sharded_group": _build(cfg, None, "solo.s", tactics=CPU_TACTICS),
-            "allreduce": _build(cfg, None, "solo.a", large_m="allreduce", tactics=CPU_TACTICS)}
+    solo = _build(cfg, None, "solo.solo", tactics=CPU_TACTICS)
+    assert solo.plan_for(40, False).path == "solo"
+    allreduce = _build(cfg, None, "solo.a", large_m="allreduce", tactics=CPU_TACTICS)  # solo too: no P2P needed
+    monkeypatch.setenv("K3TAIL_DISABLE_FUSED_AR", "1")
+    mods = {"sharded_group": _build(cfg, None, "solo.s", tactics=CPU_TACTICS), "allreduce": allreduce}
     mods["separate"] = mods["allreduce"]
     assert mods["sharded_group"].negotiated["collectives"] == "solo"
     for M in (LANE + 1, 40):
         outs = _run_case(mods, cfg, M, 1, 0, "triple", seed=7)
         print(check_case([outs], cfg, M, 1, "triple", 7, what=f"W=1 M={M}"))
     assert mods["sharded_group"].sharded_calls == 2 and mods["allreduce"].sharded_calls == 0
-    caps = TailCaps(fused_ar=False, large_m=True, large_m_min_tokens=100)
+    for M in (LANE + 1, 40):
+        x = _inputs(cfg, M, 1, 0, "triple", 9)
+        a, b = solo(tier=Tier.FUSED_LANE_AR, **x), mods["sharded_group"](tier=Tier.FUSED_LANE_AR, **x)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"solo != sharded at M={M}"
+    caps = TailCaps(fused_ar=False, large_m="sharded", large_m_min_tokens=100)
     assert select_tier(num_tokens=99, graph_phase=False, caps=caps) is Tier.SEPARATE_REDUCE
     assert select_tier(num_tokens=100, graph_phase=False, caps=caps) is Tier.FUSED_LANE_AR
-    off = dataclasses.replace(caps, large_m=False)
+    off = dataclasses.replace(caps, large_m="")
     assert select_tier(num_tokens=5000, graph_phase=False, caps=off) is Tier.SEPARATE_REDUCE
-    lane = TailCaps(fused_ar=True, lane_max_tokens=64, large_m=True)
+    lane = TailCaps(fused_ar=True, lane_max_tokens=64, large_m="sharded")
     assert select_tier(num_tokens=65, graph_phase=False, caps=lane) is Tier.FUSED_LANE_AR
 
 
@@ -205,8 +222,8 @@ def _no_p2p_worker(rank, W):
     with pytest.raises(ValueError, match="P2P"):
         k3tail.K3MoETail(cfg, prefix="nop2p.peer", exchange="peer")
     return dict(fused_ar=caps.fused_ar, tiers=tiers, calls=mod.sharded_calls, kind=mod.negotiated["collectives"],
-                got=got, want=want, possible=mod.possible(Tier.FUSED_LANE_AR, 1),
-                ref_possible=ref.possible(Tier.FUSED_LANE_AR, 1))
+                got=got, want=want, possible=mod.why_not(Tier.FUSED_LANE_AR, 1),
+                ref_possible=ref.why_not(Tier.FUSED_LANE_AR, 1))
 
 
 def test_large_m_without_p2p_cpu():
@@ -261,7 +278,7 @@ def _shared_pool_worker(rank, W):
     b = _build(cfg, None, "pool.b", exchange="peer", tactics=CPU_TACTICS)
     c = _build(dataclasses.replace(cfg, max_tokens=12), None, "pool.c", exchange="peer", tactics=CPU_TACTICS)
     ref = _build(cfg, None, "pool.ref", large_m="allreduce", tactics=CPU_TACTICS)
-    same = a.coll is b.coll and a.coll is not c.coll
+    same = a.context.coll is b.context.coll and a.context.coll is not c.context.coll
     outs = []
     for mod, M, seed in ((a, 9, 11), (b, 16, 12), (a, 12, 13), (c, 10, 14), (b, 9, 15)):
         x = _inputs(cfg, M, W, rank, "triple", seed)
@@ -280,14 +297,15 @@ def test_large_m_modules_share_peer_areas_cpu():
             assert torch.equal(got.view(torch.int16), res[0][1][i][0].view(torch.int16))
 
 
-def test_large_m_keeps_no_scratch_between_calls():
+def test_large_m_keeps_no_scratch_between_calls(monkeypatch):
     """The solo and group kinds allocate the exchange's areas per call: none may outlive the call
-    (61 layers would otherwise pin a prefill chunk's scratch each)."""
+    (61 layers would otherwise pin a prefill chunk's scratch each).  W = 1 with the solo path off."""
+    monkeypatch.setenv("K3TAIL_DISABLE_FUSED_AR", "1")
     cfg = k3tail.TailConfig(max_tokens=16, **SMALL)
     mod = _build(cfg, None, "scratch", tactics=CPU_TACTICS)
     x = _inputs(cfg, 12, 1, 0, "triple", seed=21)
     y = mod(tier=Tier.FUSED_LANE_AR, **x)
-    assert mod.sharded_calls == 1 and mod.coll.exchange._areas == {}
+    assert mod.sharded_calls == 1 and mod.context.coll.exchange._areas == {}
     assert not torch.isnan(y.float()).any()
 
 
@@ -295,7 +313,7 @@ def test_collectives_kind_rules():
     """Which collectives a world gets, and the ValueErrors (naming the backend) where a group cannot run
     the tail's collectives on the device: pure, checked with stand-in communicators."""
     from k3tail.collectives import collectives_kind
-    from k3tail.runtime.workspace import DistComm
+    from k3tail.runtime.comm import DistComm
 
     def dist_comm(backend, W=2):
         c = DistComm.__new__(DistComm)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3tail.runtime import launch as L
-from k3tail.runtime.workspace import LoopbackGroup
+from k3tail.runtime.loopback import LoopbackGroup
 
 
 class _FakeWorld:
@@ -53,8 +53,8 @@ def test_loopback_run_forks_both_passes(monkeypatch):
     current stream was still writing (H200: a gather asserted on a half-written expanded_idx)."""
     import contextlib
 
-    from k3tail.runtime import launch as _launch
-    from k3tail.runtime.workspace import LoopbackWorld
+    from k3tail.runtime.modes import warm_only_active
+    from k3tail.runtime.loopback import LoopbackWorld
 
     log = []
 
@@ -82,7 +82,7 @@ def test_loopback_run_forks_both_passes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream)
 
     def fn(r):
-        mode = "warm" if getattr(_launch._mode, "warm_only", False) else "real"
+        mode = "warm" if warm_only_active() else "real"
         log.append(f"{mode} fn{r} on {torch.cuda.current_stream().name}")
         return r
 
@@ -102,7 +102,7 @@ def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
     """torch's stream pool wraps after 32: rank streams must never be the current stream or
     torch.cuda.graph's default capture stream (a rank would then serialize the others)."""
     from k3tail.errors import K3TailError
-    from k3tail.runtime.workspace import _rank_streams
+    from k3tail.runtime.loopback import rank_streams
 
     dev = torch.device("cuda", 0)
     pool = iter([5, 7, 5, 9, 11, 13] + list(range(100, 200)))
@@ -115,10 +115,10 @@ def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", S)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: S(handle=7))
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", S(handle=9), raising=False)
-    got = [s.cuda_stream for s in _rank_streams(dev, 4)]
+    got = [s.cuda_stream for s in rank_streams(dev, 4)]
     assert got == [5, 11, 13, 100]  # 7 (current), the second 5 (taken) and 9 (capture) skipped
     pool2 = iter([1, 1] * 100)
     monkeypatch.setattr(S, "__init__", lambda self, device=None, handle=None: (
         setattr(self, "device", dev), setattr(self, "cuda_stream", next(pool2) if handle is None else handle)) and None)
     with pytest.raises(K3TailError, match="too few distinct streams"):
-        _rank_streams(dev, 3)
+        rank_streams(dev, 3)

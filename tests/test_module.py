@@ -32,9 +32,9 @@ def reference(*, hidden, latent, top_k, M, W, form, eps=1e-5, seed=0):
                                                     rank=r, form=form, seed=seed)
         parts.append(R.rank_partial(**rt))
         shareds.append(shared)
-    ref = R.tail(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up, eps=eps)
+    ref = R.tail(prefix_hidden=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up, eps=eps)
     slack, ties = R.tail_tie_slack(partials=parts, norm_weight=gamma, up_weight=up, eps=eps)
-    floor = R.tail_noise_floor(prefix=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
+    floor = R.tail_noise_floor(prefix_hidden=prefix, partials=parts, shared=shareds, norm_weight=gamma, up_weight=up,
                                eps=eps)
     return ref, slack, ties, floor
 
@@ -46,7 +46,7 @@ def _run_tiers(mod, shape, M, W, rank, form, seed=0, device="cpu"):
         up = up[rank * H // W:(rank + 1) * H // W].contiguous()
     outs, times = {}, {}
     for tier in Tier:
-        if mod.possible(tier, M) is not None:
+        if mod.why_not(tier, M) is not None:
             continue
         t0 = time.time()
         outs[tier.name] = mod(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up,
@@ -201,7 +201,7 @@ def test_torch_compile_fullgraph():
     eager = Layer()(*args)
     compiled = torch.compile(Layer(), fullgraph=True, backend="aot_eager")(*args)
     assert torch.equal(compiled, eager)
-    ref = R.tail(prefix=args[0], partials=[R.f64(args[4])], shared=[args[1]], norm_weight=args[2],
+    ref = R.tail(prefix_hidden=args[0], partials=[R.f64(args[4])], shared=[args[1]], norm_weight=args[2],
                  up_weight=args[3], eps=1e-5)
     print("compiled vs fp64:", T.check_ulp(compiled / 2, ref, max_ulp=1.0, frac=0.999))
     torch.library.opcheck(torch.ops.k3tail.moe_tail.default,
@@ -211,7 +211,7 @@ def test_torch_compile_fullgraph():
 
 def test_multimem_staging_injected():
     """MULTIMEM_AR's staging with the multicast call injected (multicast never runs here)."""
-    from k3tail.module import MultimemStage
+    from k3tail.ops.multimem import MultimemStage
 
     calls = []
 
@@ -251,7 +251,7 @@ def test_equivalence_loopback_w8():
         inputs = [make_inputs(M=M, W=W, rank=r, form=form, device=dev, **K3) for r in range(W)]
         outs = [dict() for _ in range(W)]
         for tier in Tier:
-            if mods[0].possible(tier, M) is not None:
+            if mods[0].why_not(tier, M) is not None:
                 continue
 
             def call(r, tier=tier):

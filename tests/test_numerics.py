@@ -94,11 +94,11 @@ def _kernel_latents(ops, rank, W, shape, M, form, device="cpu"):
     prefix, gamma, up, shared, rt = T.tail_inputs(M=M, W=W, rank=rank, form=form, device=device, **shape)
     up = up[rank * H // W:(rank + 1) * H // W].contiguous()
     out = {}
-    tail._set.sum32.fill_(float("nan"))
-    tail._set.normed.fill_(float("nan"))
-    tail(prefix=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
-    out["sum32"] = tail._set.sum32[:M].clone()
-    out["tail_a"] = tail._set.normed[:M].clone()
+    tail.slot_set.sum32.fill_(float("nan"))
+    tail.slot_set.normed.fill_(float("nan"))
+    tail(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
+    out["sum32"] = tail.slot_set.sum32[:M].clone()
+    out["tail_a"] = tail.slot_set.normed[:M].clone()
     out["lane"] = lane(norm_weight=gamma, shared=shared, **rt)[0]
     out["fused_op"] = fused(norm_weight=gamma, **rt)
     return out

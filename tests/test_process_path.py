@@ -106,9 +106,9 @@ def _rank_main(rank, W, plan):
                            prefix="process_path.layers.0", lane_max_tokens=plan["lane"][0],
                            tactics_table=_table(rank, W, dev, shape, plan["lane"]), timeout_s=60.0, **kw)
     res = {"negotiated": mod.negotiated, "caps": dataclasses.asdict(mod.caps), "source": mod.tactics_source,
-           "device": str(mod.device), "tail_tactics": dict(mod._tail.tactics),
-           "tail_ws": (mod._tail.ws.backend, int(mod._tail.ws.multicast_ptr)),
-           "lane_ws": (mod._lane.ws.backend, int(mod._lane.ws.multicast_ptr)),
+           "device": str(mod.device), "tail_tactics": dict(mod.context.tail.tactics),
+           "tail_ws": (mod.context.tail.ws.backend, int(mod.context.tail.ws.multicast_ptr)),
+           "lane_ws": (mod.context.lane.ws.backend, int(mod.context.lane.ws.multicast_ptr)),
            "tier_for": {M: (mod.tier_for(M, False).name, mod.tier_for(M, True).name)
                         for M in (*plan["eager_ms"], *plan["graph_ms"])},
            "init_s": time.monotonic() - t_start}
@@ -119,7 +119,7 @@ def _rank_main(rank, W, plan):
         ins = call_inputs(shape, M, W, rank, eager_seed(M), wts[0], dev)
         outs = {}
         for tier in Tier:
-            if mod.possible(tier, M) is None:
+            if mod.why_not(tier, M) is None:
                 outs[tier.name] = mod(tier=tier, **ins)
         outs["auto"] = mod(graph_phase=False, **ins)
         eager[M] = {k: v.cpu() for k, v in outs.items()}
@@ -151,7 +151,7 @@ def _rank_main(rank, W, plan):
             del g
         graphs[M] = ([o.cpu() for o in replays], [o.cpu() for o in seps])
     res["graphs"] = graphs
-    for op in (mod._tail, mod._lane):
+    for op in (mod.context.tail, mod.context.lane):
         op.check()  # no wait timed out
     res["total_s"] = time.monotonic() - t_start
     return res
@@ -169,9 +169,9 @@ class Ref:
             parts.append(R.rank_partial(expert_out=eo, expert_weights=w, expanded_idx=idx))
             shareds.append(shared)
         kw = dict(partials=parts, norm_weight=gamma, up_weight=up64, eps=1e-5)
-        self.ref = R.tail(prefix=prefix, shared=shareds, **kw)
+        self.ref = R.tail(prefix_hidden=prefix, shared=shareds, **kw)
         self.slack, self.ties = R.tail_tie_slack(**kw)
-        self.floor = R.tail_noise_floor(prefix=prefix, shared=shareds, **kw)
+        self.floor = R.tail_noise_floor(prefix_hidden=prefix, shared=shareds, **kw)
 
     def check(self, out, sep, what):
         """The loopback tests' bounds: >= 99.9 % within 1 ulp (+ near-tie slack) of fp64, no NaN;

@@ -36,7 +36,7 @@ CASES = [  # M, N, L, dtype, prefix, shared, shared dtype, triton_max_m
 def test_project_vs_fp64(case):
     M, N, Lw, dt, hp, hs, sdt, tmax = case
     a, w, p, s = _inputs(M, N, Lw, dt, sum(case[:3]), hp, hs, sdt)
-    out = k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": tmax})
+    out = k3tail.project(a, w, prefix_hidden=p, shared_sum=s, tactics={"triton_max_m": tmax})
     ref = R.project(a, w, p, s)
     st = T.check_ulp(out, ref, max_ulp=1.0, frac=0.999, what=f"project {case}")
     T.check_ulp(out, ref, max_ulp=2.0, frac=1.0, what=f"project {case}")
@@ -51,14 +51,14 @@ def test_project_row_shard_column_slices():
     for r in range(W):
         cols = slice(r * H // W, (r + 1) * H // W)
         for tmax in (16, 0):
-            out = k3tail.project(a, w[cols], prefix=p[:, cols], shared_sum=s[:, cols],
+            out = k3tail.project(a, w[cols], prefix_hidden=p[:, cols], shared_sum=s[:, cols],
                                  tactics={"triton_max_m": tmax})
             T.check_ulp(out, full[:, cols], max_ulp=1.0, frac=0.999, what=f"shard {r}")
 
 
 def test_project_out_dtype_and_errors():
     a, w, p, s = _inputs(2, 32, 64, torch.bfloat16, 9, True, True)
-    out = k3tail.project(a, w, prefix=p, shared_sum=s, out_dtype=torch.float32)
+    out = k3tail.project(a, w, prefix_hidden=p, shared_sum=s, out_dtype=torch.float32)
     assert out.dtype == torch.float32
     ref = R.project(a, w, p, s)
     assert float((R.f64(out) - ref).abs().max() / ref.abs().max()) < 1e-5
@@ -66,7 +66,7 @@ def test_project_out_dtype_and_errors():
     for name, kw in [("normed", dict(normed=a.float(), up_weight=w)),
                      ("up_weight", dict(normed=a, up_weight=w.half())),
                      ("up_weight", dict(normed=a, up_weight=w[:, :32])),
-                     ("prefix", dict(normed=a, up_weight=w, prefix=p[:1])),
+                     ("prefix", dict(normed=a, up_weight=w, prefix_hidden=p[:1])),
                      ("shared_sum", dict(normed=a, up_weight=w, shared_sum=s.double())),
                      ("out_dtype", dict(normed=a, up_weight=w, out_dtype=torch.int32)),
                      ("tactics", dict(normed=a, up_weight=w, tactics={"x": 1}))]:
@@ -79,11 +79,11 @@ def test_project_out_dtype_and_errors():
 @pytest.mark.parametrize("N", [896, 7168])
 def test_gpu_project_k3(M, N):
     a, w, p, s = _inputs(M, N, 3584, torch.bfloat16, M + N, True, True, device="cuda")
-    out = k3tail.project(a, w, prefix=p, shared_sum=s)
+    out = k3tail.project(a, w, prefix_hidden=p, shared_sum=s)
     st = T.check_ulp(out, R.project(a, w, p, s), max_ulp=1.0, frac=0.999, what=f"gpu project M={M} N={N}")
     print(f"gpu project M={M} N={N}: {st}")
     if M > 16:  # the large-M path: the torch epilogue (4 passes) must give the default Triton one's bits
-        tch = k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"epilogue": "torch"})
+        tch = k3tail.project(a, w, prefix_hidden=p, shared_sum=s, tactics={"epilogue": "torch"})
         assert torch.equal(tch.view(torch.int16), out.view(torch.int16)), f"M={M} N={N}"
 
 
@@ -100,7 +100,7 @@ def test_triton_epilogue_bitwise_equal_torch(M, N, dt, sdt, hp, hs, out_dt):
     Lw = 136
     a, w, p, s = _inputs(M, 2 * N, Lw, dt, M + N, hp, hs, sdt)
     cols = slice(N // 2, N // 2 + N)  # strided views: columns of [M, 2N]
-    kw = dict(prefix=p[:, cols] if hp else None, shared_sum=s[:, cols] if hs else None, out_dtype=out_dt)
+    kw = dict(prefix_hidden=p[:, cols] if hp else None, shared_sum=s[:, cols] if hs else None, out_dtype=out_dt)
     base = k3tail.project(a, w[cols], tactics={"triton_max_m": 0, "epilogue": "torch"}, **kw)
     tri = k3tail.project(torch.ones_like(a), w[cols], tactics={"triton_max_m": 0, "epilogue": "torch"}, **kw)  # control: other inputs, other bits
     assert not torch.equal(tri, base)
@@ -108,7 +108,7 @@ def test_triton_epilogue_bitwise_equal_torch(M, N, dt, sdt, hp, hs, out_dt):
     assert tri.dtype == base.dtype
     assert torch.equal(tri.view(torch.int16 if tri.element_size() == 2 else torch.int32),
                        base.view(torch.int16 if base.element_size() == 2 else torch.int32))
-    ref = R.project(a, w[cols], kw["prefix"], kw["shared_sum"])
+    ref = R.project(a, w[cols], kw["prefix_hidden"], kw["shared_sum"])
     if out_dt is None:
         T.check_ulp(tri, ref, max_ulp=2.0, frac=1.0, what="triton epilogue")
 
@@ -120,13 +120,13 @@ def test_triton_epilogue_is_the_default(monkeypatch):
     calls = []
     real = P._epilogue_triton
     monkeypatch.setattr(P, "_epilogue_triton", lambda *x, **k: calls.append(1) or real(*x, **k))
-    k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0})
+    k3tail.project(a, w, prefix_hidden=p, shared_sum=s, tactics={"triton_max_m": 0})
     assert calls == [1]
-    k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "torch"})
+    k3tail.project(a, w, prefix_hidden=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "torch"})
     assert calls == [1]
 
 
 def test_epilogue_tactic_is_checked():
     a, w, p, s = _inputs(20, 32, 64, torch.bfloat16, 11, True, True)
     with pytest.raises(ValueError, match="epilogue"):
-        k3tail.project(a, w, prefix=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "cuda"})
+        k3tail.project(a, w, prefix_hidden=p, shared_sum=s, tactics={"triton_max_m": 0, "epilogue": "cuda"})

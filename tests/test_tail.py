@@ -49,7 +49,7 @@ def reference_inputs(case: dict, W: int) -> dict:
     prefix, gamma, wup, shared, routed = case_inputs(case, W)
     scale = case.get("routed_scale", 1.0)
     parts = [R.rank_partial(**rt, routed_scale=scale) for rt in routed]
-    return dict(prefix=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=wup, eps=1e-5)
+    return dict(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=wup, eps=1e-5)
 
 
 def reference_out(case: dict, W: int):
@@ -67,7 +67,7 @@ def make_tail(group, case: dict, **kw):
 def call_tail(tail, case: dict, rank: int, W: int, device="cpu"):
     prefix, gamma, wup, shared, routed = case_inputs(case, W, device)
     S = wup.shape[0] // W
-    return tail(prefix=prefix, shared=shared[rank], norm_weight=gamma,
+    return tail(prefix_hidden=prefix, shared=shared[rank], norm_weight=gamma,
                 up_weight=wup[rank * S:(rank + 1) * S].contiguous(), **routed[rank])
 
 
@@ -213,7 +213,7 @@ def test_tail_w1_and_bad_inputs():
     tail = make_tail(None, c)
     check_case(c, [call_tail(tail, c, 0, 1)], 1, "W=1 deferred")
     prefix, gamma, wup, shared, routed = case_inputs(c, 1)
-    good = dict(prefix=prefix, shared=shared[0], norm_weight=gamma, up_weight=wup, **routed[0])
+    good = dict(prefix_hidden=prefix, shared=shared[0], norm_weight=gamma, up_weight=wup, **routed[0])
     tail(**good)
 
     def bad(msg, **over):
@@ -225,9 +225,9 @@ def test_tail_w1_and_bad_inputs():
 
     H, Lt, K = SMALL
     big = T.randn((17, H), torch.bfloat16, 1)
-    bad("max_tokens", prefix=big)
+    bad("max_tokens", prefix_hidden=big)
     bad("shared", shared=shared[0][:3].contiguous())
-    bad("prefix", prefix=prefix.float())
+    bad("prefix_hidden", prefix_hidden=prefix.float())
     bad("up_weight", up_weight=wup[:, :128].contiguous())
     bad("up_weight", up_weight=wup.t().contiguous().t())  # non-contiguous
     bad("norm_weight", norm_weight=gamma[:100].contiguous())
@@ -246,7 +246,7 @@ def test_tail_w1_and_bad_inputs():
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_block_n": 24})
     with pytest.raises(ValueError, match="b_gemv_max_m"):
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_gemv_max_m": 8})
-    assert tail(**dict(good, prefix=prefix[:0], shared=shared[0][:0],
+    assert tail(**dict(good, prefix_hidden=prefix[:0], shared=shared[0][:0],
                        expert_weights=routed[0]["expert_weights"][:0],
                        expanded_idx=routed[0]["expanded_idx"][:0])).shape == (0, H)
     # kernel B alone
@@ -320,7 +320,7 @@ def _gpu_world(W):
 def _gpu_inputs(case, W):
     prefix, gamma, wup, shared, routed = case_inputs(case, W, device="cuda")
     S = wup.shape[0] // W
-    return [dict(prefix=prefix, shared=shared[r], norm_weight=gamma,
+    return [dict(prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
                  up_weight=wup[r * S:(r + 1) * S].contiguous(), **routed[r]) for r in range(W)]
 
 

@@ -62,7 +62,7 @@ class _Mod:
 
 class _Rig:
     def __init__(self, caps, large_m, W=2):
-        from k3tail.module import TailConfig
+        from k3tail.config import TailConfig
 
         self.W, self.ranks, self.device, self.multiproc = W, list(range(W)), torch.device("cpu"), False
         self.cfg = TailConfig(hidden=64, latent=32, top_k=4, max_tokens=64)

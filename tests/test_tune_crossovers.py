@@ -209,11 +209,11 @@ def test_module_accepts_matches_the_signature():
 
 
 def test_bench_tier_ranges_and_kind_with_the_sharded_path():
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
 
     cfg = TailConfig(max_tokens=4096)
     # the contract's caps: large_m without the lane (lane_max_tokens=0): FUSED_LANE_AR at every M
-    caps = types.SimpleNamespace(**{**vars(TailCaps()), "large_m": True, "large_m_min_tokens": 128})
+    caps = types.SimpleNamespace(**{**vars(TailCaps()), "large_m": "sharded", "large_m_min_tokens": 128})
     assert B.tier_ranges(caps, cfg)["FUSED_LANE_AR"] == (1, 4096)
     assert "FUSED_LANE_AR" not in B.tier_ranges(TailCaps(), cfg)
     assert B.large_m_kind(types.SimpleNamespace(large_m="sharded")) == "sharded"

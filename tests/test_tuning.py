@@ -171,7 +171,8 @@ def test_k3moetail_takes_op_tactics_from_the_agreed_table():
     """A table entry for an op (keyed like `k3tail tune` writes it) reaches that op; explicit
     `tactics=` still win.  World of one on CPU (no process group)."""
     from k3tail import tuning
-    from k3tail.module import K3MoETail, TailConfig
+    from k3tail.config import TailConfig
+    from k3tail.module import K3MoETail
 
     cfg = TailConfig(hidden=256, latent=128, top_k=4, max_tokens=8)
     fields = tuning.device_fields(torch.device("cpu"))
@@ -179,9 +180,9 @@ def test_k3moetail_takes_op_tactics_from_the_agreed_table():
     table = tuning.TacticTable()
     table.put(tuning.make_key("project", world_size=1, shape=shape, **fields), {"triton_max_m": 0, "block_n": 32})
     mod = K3MoETail(cfg, prefix="tuning.op.0", tactics_table=table)
-    assert mod._proj_tactics == {"triton_max_m": 0, "block_n": 32}
+    assert mod.context.project.tactics == {"triton_max_m": 0, "block_n": 32}
     mod2 = K3MoETail(cfg, prefix="tuning.op.1", tactics_table=table, tactics={"project": {"block_n": 64}})
-    assert mod2._proj_tactics == {"triton_max_m": 0, "block_n": 64}
+    assert mod2.context.project.tactics == {"triton_max_m": 0, "block_n": 64}
 
 
 def test_loopback_crossovers_apply_to_loopback_worlds_only():

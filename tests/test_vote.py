@@ -8,13 +8,19 @@ import torch
 import k3tail
 from k3tail import testing as T
 from k3tail.tiers import Tier, TailCaps
-from k3tail.vote import VOTE_FIELDS, caps_from
+from k3tail.tiers import decide
+from k3tail.vote import VOTE_FIELDS
+
+
+def caps_from(agreed, world_size=8, large_m="allreduce"):
+    d = decide(agreed, world_size=world_size, large_m=large_m)
+    return d.alloc, d.why_not
 
 CFG = dict(hidden=96, latent=32, top_k=4, max_tokens=40)  # hidden/W = 32 at W=3
 
 
 def _vote_worker(rank, W):
-    from k3tail.runtime.workspace import DistComm
+    from k3tail.runtime.comm import DistComm
 
     votes = []
     orig = DistComm.all_reduce_min
@@ -70,7 +76,7 @@ def test_rank_divergent_probes_agree():
         print(name, res[0][name]["caps"], res[0][name]["possible"])
     base, no_tail, no_p2p = (res[0][n] for n in ("base", "no_tail", "no_p2p"))
     assert base["caps"] == TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8,
-                                    multimem_max_tokens=40, large_m=True)
+                                    multimem_max_tokens=40, large_m="sharded")
     assert base["lane_why_not"] is None
     assert set(base["possible"]) == {"TAIL_FUSION", "FUSED_LANE_AR", "SEPARATE_REDUCE"}
     # one rank's env disables the latent tail: off everywhere, the lane stays
@@ -107,8 +113,10 @@ def test_caps_from():
     assert not caps.multimem and not caps.fused_ar and caps.tail_fusion_max_tokens == 16
     caps, why = caps_from(_agreed(hidden_div_w=0))
     assert caps.tail_fusion_max_tokens == 0 and caps.fused_ar
-    caps, why = caps_from(_agreed(has_project=0))
-    assert Tier.SEPARATE_REDUCE in why
+    assert Tier.FUSED_LANE_AR not in caps_from(_agreed(p2p=0), large_m="sharded")[1]  # the sharded path needs no P2P
+    assert Tier.FUSED_LANE_AR in caps_from(_agreed(p2p=0))[1]
+    solo, why = caps_from(_agreed(), world_size=1)
+    assert solo.solo and Tier.FUSED_LANE_AR not in why
 
 
 def test_doctor_cli(capsys):

@@ -61,7 +61,7 @@ import triton.language as tl
 
 # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even); kernels
 # round through :func:`round_to`, which does RNE by hand under the interpreter.
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 SENTINEL_BITS = -32768  # 0x8000 as int16: the bit pattern of -0.0 in bf16 and fp16
 NUM_STAGES = 3
@@ -115,7 +115,7 @@ def rearm(ptrs, mask, DTYPE: tl.constexpr):
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """Round fp32 ``x`` to ``DTYPE`` to nearest even (bit-exact on the GPU and the interpreter)."""
-    if _INTERPRET and DTYPE == tl.bfloat16:
+    if INTERPRET and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         rnd = bits + 0x7FFF + ((bits >> 16) & 1)
         is_nan = (bits & 0x7FFFFFFF) > 0x7F800000

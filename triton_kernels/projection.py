@@ -24,7 +24,7 @@ pass instead of four.  Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``, one tile p
 import triton
 import triton.language as tl
 
-from .lamport import _INTERPRET, round_to
+from .lamport import INTERPRET, round_to
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -54,7 +54,7 @@ def projection_kernel(
                     mask=mmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + rn64[:, None] * stride_wn + kk[None, :] * stride_wk,
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if _INTERPRET:
+        if INTERPRET:
             # the interpreter's bf16 tl.dot returns garbage (Triton 3.6): upcast (exact) and
             # multiply in fp32 IEEE (bf16 x bf16 products are exact in fp32)
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")

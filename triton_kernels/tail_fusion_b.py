@@ -39,7 +39,7 @@ rank d's mailbox, which d's C re-arms after reading them; on a poisoned workspac
 import triton
 import triton.language as tl
 
-from .lamport import _INTERPRET, canonicalize, is_poisoned, round_to
+from .lamport import INTERPRET, canonicalize, is_poisoned, round_to
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def tail_b_kernel(
             kmask = (k0 + kk + offs_k) < LATENT
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
-        if _INTERPRET:
+        if INTERPRET:
             # Triton 3.6's interpreter multiplies the raw uint16 bits of bf16 operands:
             # widen to fp32 first (exact; the products of 16-bit values are exact in fp32).
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)

@@ -12,7 +12,10 @@ import torch
 from k3tail.runtime import launch as L
 from k3tail.errors import K3TailError
 from k3tail.triton_kernels.exchange import CTRL_EPOCH, barrier_kernel, gather_cols_kernel
-from k3tail.runtime.workspace import comm_for, create_workspace, interpret_mode, resolve_device
+from k3tail.runtime.comm import comm_for
+from k3tail.runtime.modes import interpret_mode
+from k3tail.runtime.workspace import create_workspace, resolve_device
+from k3tail.runtime.checks import check_tensor
 
 _AREA_ALIGN = 256
 GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
@@ -179,7 +182,7 @@ class PeerExchange:
             raise ValueError(f"area {name!r} holds {size} bytes; a [{M}, {widest}] {dtype} block needs "
                              f"{M * widest * elem}")
         N = b[-1]
-        L.check_tensor("out", out, dtype=dtype, device=self.device, ndim=2, shape=(M, N), contiguous=False)
+        check_tensor("out", out, dtype=dtype, device=self.device, ndim=2, shape=(M, N), contiguous=False)
         if N > 1 and out.stride(1) != 1 or M > 1 and out.stride(0) < N:
             raise ValueError(f"out must have unit column stride and row stride >= {N}, got strides {out.stride()}")
         ws = self.ws

@@ -30,18 +30,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from k3tail.runtime import launch as L
+from k3tail.config import ACT_DTYPES, DEFAULT_EPS, MAX_TOP_K
 from k3tail.numerics import f32
+from k3tail.runtime import launch as L
+from k3tail.runtime.checks import check_routed, check_tensor, routed_rows
+from k3tail.runtime.comm import comm_for
+from k3tail.runtime.modes import interpret_mode
+from k3tail.runtime.workspace import create_workspace, resolve_device
 from k3tail.triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
 from k3tail.triton_kernels.lamport import NUM_STAGES
 
-from k3tail.runtime.workspace import comm_for, create_workspace, interpret_mode, resolve_device
-
 SQ_STRIDE = 64  # most slices (programs) per token
 TACTIC_KEYS = ("block", "num_warps", "slices", "slice_block", "slice_warps")
-
-MAX_TOP_K = 64
-WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNEL = L.kernel(finalize_ar_norm_kernel)
 
 
 class _FusedBase:
@@ -49,7 +50,7 @@ class _FusedBase:
 
     def _setup(self, group, *, width, shared_width, max_tokens, top_k, eps, routed_scale, dtype,
                timeout_s, tactics, device):
-        if dtype not in L.SUPPORTED_DTYPES:
+        if dtype not in ACT_DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         for name, v in (("width" if shared_width is None else "latent", width),
                         ("hidden", shared_width if shared_width is not None else 1)):
@@ -66,10 +67,9 @@ class _FusedBase:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         tactics = dict(tactics or {})
-        known = set(TACTIC_KEYS)
-        unknown = set(tactics) - known
+        unknown = set(tactics) - set(TACTIC_KEYS)
         if unknown:
-            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(known)})")
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(TACTIC_KEYS)})")
         self.group = group
         if group is None and not dist.is_initialized():
             self.comm = None  # a single process without torch.distributed: world size 1
@@ -94,11 +94,6 @@ class _FusedBase:
             self.device = self.ws.device
         else:
             self.device = dev
-        self.scratch = torch.empty(max_tokens, width, dtype=torch.float32, device=self.device)
-        # per-slice fp64 statistics and per-token arrival counters (G > 1; local, not symmetric)
-        self._sq = torch.zeros(max_tokens, SQ_STRIDE, dtype=torch.float64, device=self.device)
-        self._cnt = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
-        self._idx_dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
         w_p2 = L.next_pow2(W)
         wide = L.next_pow2(max(width, self.sh))
         if interpret_mode():
@@ -124,6 +119,21 @@ class _FusedBase:
         self.slices = int(tactics.get("slices", slices))
         if not 1 <= self.slices <= SQ_STRIDE:
             raise ValueError(f"tactics['slices'] must be in 1..{SQ_STRIDE}, got {self.slices}")
+        # The fp32 scratch row is used only when a row spans several chunks or slices (module docstring
+        # of the kernel): a one-chunk row at W = 1 (K3's latent) needs none, so none is allocated.
+        needs_scratch = self.slices > 1 or -(-width // self.block) > 1
+        self.scratch = torch.empty(max_tokens if needs_scratch else 1, width, dtype=torch.float32,
+                                   device=self.device)
+        # per-slice fp64 statistics and per-token arrival counters (G > 1; local, not symmetric)
+        rows = max_tokens if self.slices > 1 else 1
+        self._sq = torch.zeros(rows, SQ_STRIDE, dtype=torch.float64, device=self.device)
+        self._cnt = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        self._idx_dummy = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._pdl = L.pdl_enabled(self.device) if self.device.type == "cuda" else False
+        self._cap = L.grid_cap(self.comm if W > 1 else None, self.device, self.num_warps)
+        self._timeout_ns = int(self.timeout_s * 1e9)
+        self._variants: dict = {}
+        self._shapes: dict = {}
 
     # ------------------------------------------------------------------ helpers
     def check(self) -> None:
@@ -133,37 +143,13 @@ class _FusedBase:
 
     def _validate_routed(self, routed, expert_out, expert_weights, expanded_idx):
         """Return (M, finalize?, top_k) after validating the routed input (materialized or triple)."""
-        triple = (expert_out, expert_weights, expanded_idx)
-        n_triple = sum(x is not None for x in triple)
-        if routed is not None and n_triple:
-            raise ValueError("routed: pass either routed or the triple (expert_out, expert_weights, "
-                             "expanded_idx), not both")
-        if routed is None and n_triple != 3:
-            if n_triple == 0:
-                raise ValueError("routed: pass routed or the triple (expert_out, expert_weights, expanded_idx)")
-            missing = [n for n, x in zip(("expert_out", "expert_weights", "expanded_idx"), triple) if x is None]
-            raise ValueError(f"{missing[0]}: the deferred triple needs all three of expert_out, "
-                             f"expert_weights and expanded_idx")
-        if routed is not None:
-            L.check_tensor("routed", routed, dtype=self.dtype, device=self.device, ndim=2,
-                           shape=(None, self.width))
-            return routed.shape[0], False, 1
-        L.check_tensor("expanded_idx", expanded_idx, device=self.device, ndim=2)
-        if expanded_idx.dtype != torch.int32:
-            raise ValueError(f"expanded_idx must have dtype torch.int32, got {expanded_idx.dtype}")
-        M, K = expanded_idx.shape
-        if self.top_k is not None and K != self.top_k:
-            raise ValueError(f"expanded_idx has top_k {K} columns but the op was built with top_k={self.top_k}")
-        if not 1 <= K <= MAX_TOP_K:
-            raise ValueError(f"expanded_idx: top_k must be in 1..{MAX_TOP_K}, got {K}")
-        L.check_tensor("expert_weights", expert_weights, dtypes=WEIGHT_DTYPES, device=self.device,
-                       ndim=2, shape=(M, K))
-        L.check_tensor("expert_out", expert_out, dtype=self.dtype, device=self.device, ndim=2,
-                       shape=(None, self.width))
-        if expert_out.shape[0] < 1:
-            raise ValueError("expert_out must have at least one row")
-        L.check_indices(expanded_idx, expert_out.shape[0])
-        return M, True, K
+        deferred = check_routed(routed=routed, expert_out=expert_out, expert_weights=expert_weights,
+                                expanded_idx=expanded_idx, M=None, width=self.width, top_k=self.top_k,
+                                dtype=self.dtype, device=self.device)
+        M = routed_rows(routed, expanded_idx)
+        if M > self.max_tokens:
+            raise ValueError(f"routed/expanded_idx has {M} rows but max_tokens is {self.max_tokens}")
+        return M, deferred, expanded_idx.shape[1] if deferred else 1
 
     def shape_for(self, M: int, cap: int):
         """``(block, num_warps, G)`` of a call with M tokens and a ``cap``-program grid: the
@@ -174,45 +160,48 @@ class _FusedBase:
             return self.slice_block, self.slice_warps, G
         return self.block, self.num_warps, 1
 
-    def _check_m(self, M):
-        if M > self.max_tokens:
-            raise ValueError(f"routed/expanded_idx has {M} rows but max_tokens is {self.max_tokens}")
+    def _variant(self, block, warps, finalize, top_k, shared_add, has_residual, slot32):
+        key = (block, warps, finalize, top_k, shared_add, has_residual, slot32)
+        v = self._variants.get(key)
+        if v is None:
+            W = self.world_size
+            v = self._variants[key] = _KERNEL.variant(
+                pdl=self._pdl, num_warps=warps,
+                WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
+                W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=block, NUM_STAGES=NUM_STAGES,
+                SQ_STRIDE=SQ_STRIDE, NORM_BLOCK=min(L.next_pow2(self.width), 8192),
+                FINALIZE=finalize, HAS_SCALE=self.routed_scale != 1.0, SHARED_ADD=shared_add,
+                HAS_RESIDUAL=has_residual, SLOT32=slot32,
+                USE_GLOBALTIMER=not interpret_mode(), USE_PDL=self._pdl)
+        return v
 
     def _launch(self, M, *, routed, expert_out, expert_weights, expanded_idx, shared, residual,
                 norm_weight, normed, resout, shsum, finalize, top_k, shared_add, slot32):
         dummy = normed
-        W = self.world_size
         ws = self.ws
         if ws is not None:
             ws.check(self.op_name, self.timeout_s)
             table, ctrl, host_flag, clock, rank = ws.table, ws.ctrl, ws.host_flag, L.clock_arg(ws), ws.rank
-            cap = L.grid_cap(self.group, ws.device, self.num_warps)
         else:
             table = ctrl = host_flag = clock = self.scratch
             rank = 0
-            cap = L.grid_cap(None, self.device, self.num_warps)  # all SMs (no co-residency rule)
-        pdl = L.pdl_enabled(self.device) if self.device.type == "cuda" else False
-        block, warps, G = self.shape_for(M, cap)
-        grid = (min(M * G, cap),)
-        L.launch(finalize_ar_norm_kernel, grid,
-                 routed if routed is not None else dummy,
-                 expert_out if expert_out is not None else dummy,
-                 expert_weights if expert_weights is not None else self.scratch,
-                 expanded_idx if expanded_idx is not None else self._idx_dummy,
-                 shared if shared is not None else dummy,
-                 residual if residual is not None else dummy,
-                 norm_weight, normed,
-                 resout if resout is not None else dummy,
-                 shsum if shsum is not None else self.scratch,
-                 self.scratch, self._sq, self._cnt, table, ctrl, host_flag, clock,
-                 rank, M, int(self.timeout_s * 1e9), G, *self._scalars32,
-                 WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
-                 W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=block, NUM_STAGES=NUM_STAGES,
-                 SQ_STRIDE=SQ_STRIDE, NORM_BLOCK=min(L.next_pow2(self.width), 8192),
-                 FINALIZE=finalize, HAS_SCALE=self.routed_scale != 1.0, SHARED_ADD=shared_add,
-                 HAS_RESIDUAL=residual is not None, SLOT32=slot32,
-                 USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl,
-                 pdl=pdl, num_warps=warps)
+        shape = self._shapes.get(M)
+        if shape is None:
+            shape = self._shapes[M] = self.shape_for(M, self._cap)
+        block, warps, G = shape
+        self._variant(block, warps, finalize, top_k, shared_add, residual is not None, slot32)(
+            (min(M * G, self._cap),),
+            routed if routed is not None else dummy,
+            expert_out if expert_out is not None else dummy,
+            expert_weights if expert_weights is not None else self.scratch,
+            expanded_idx if expanded_idx is not None else self._idx_dummy,
+            shared if shared is not None else dummy,
+            residual if residual is not None else dummy,
+            norm_weight, normed,
+            resout if resout is not None else dummy,
+            shsum if shsum is not None else self.scratch,
+            self.scratch, self._sq, self._cnt, table, ctrl, host_flag, clock,
+            rank, M, self._timeout_ns, G, *self._scalars32)
         if ws is not None:
             L.after_launch(ws, self.op_name, self.timeout_s)
 
@@ -235,7 +224,7 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
     op_name = "FinalizeAllReduceRMSNorm"
 
     def __init__(self, group=None, *, width: int, max_tokens: int, top_k: Optional[int] = None,
-                 eps: float = 1e-6, routed_scale: float = 1.0, dtype: torch.dtype = torch.bfloat16,
+                 eps: float = DEFAULT_EPS, routed_scale: float = 1.0, dtype: torch.dtype = torch.bfloat16,
                  timeout_s: float = 20.0, tactics: Optional[dict] = None, device=None):
         self._setup(group, width=width, shared_width=None, max_tokens=max_tokens, top_k=top_k, eps=eps,
                     routed_scale=routed_scale, dtype=dtype, timeout_s=timeout_s, tactics=tactics,
@@ -244,12 +233,11 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
     def __call__(self, *, norm_weight, routed=None, expert_out=None, expert_weights=None,
                  expanded_idx=None, shared=None, residual=None):
         M, finalize, top_k = self._validate_routed(routed, expert_out, expert_weights, expanded_idx)
-        self._check_m(M)
-        L.check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
-                       ndim=1, shape=(self.width,))
+        check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
+                     ndim=1, shape=(self.width,))
         for name, t in (("shared", shared), ("residual", residual)):
             if t is not None:
-                L.check_tensor(name, t, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.width))
+                check_tensor(name, t, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.width))
         normed = torch.empty(M, self.width, dtype=self.dtype, device=self.device)
         resout = torch.empty_like(normed) if residual is not None else None
         if M > 0:
@@ -280,7 +268,7 @@ class LaneAllReduce(_FusedBase):
     op_name = "LaneAllReduce"
 
     def __init__(self, group=None, *, latent: int, hidden: int, max_tokens: int,
-                 top_k: Optional[int] = None, eps: float = 1e-5, routed_scale: float = 1.0,
+                 top_k: Optional[int] = None, eps: float = DEFAULT_EPS, routed_scale: float = 1.0,
                  dtype: torch.dtype = torch.bfloat16, timeout_s: float = 20.0,
                  tactics: Optional[dict] = None, device=None):
         if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0:
@@ -293,10 +281,9 @@ class LaneAllReduce(_FusedBase):
     def __call__(self, *, norm_weight, shared, routed=None, expert_out=None, expert_weights=None,
                  expanded_idx=None):
         M, finalize, top_k = self._validate_routed(routed, expert_out, expert_weights, expanded_idx)
-        self._check_m(M)
-        L.check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
-                       ndim=1, shape=(self.width,))
-        L.check_tensor("shared", shared, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.hidden))
+        check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
+                     ndim=1, shape=(self.width,))
+        check_tensor("shared", shared, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.hidden))
         normed = torch.empty(M, self.width, dtype=self.dtype, device=self.device)
         shsum = torch.empty(M, self.hidden, dtype=torch.float32, device=self.device)
         if M > 0:

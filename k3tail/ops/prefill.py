@@ -34,10 +34,10 @@ from k3tail import numerics
 from k3tail.numerics import f32
 from k3tail.triton_kernels.prefill import (finalize_shards_kernel, normalize_shard_kernel, ordered_sum_kernel,
                                      pack_shards_kernel)
-from k3tail.runtime.workspace import interpret_mode
+from k3tail.runtime.modes import interpret_mode
+from k3tail.runtime.checks import check_routed, check_tensor, routed_rows
+from k3tail.config import ACT_DTYPES
 
-MAX_TOP_K = 64
-WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EXPERT_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit: finalize32's products are exact
 ROUTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,7 +103,7 @@ def _warps(t, default=4):
 def _flat_out(out, numel, dtype, device):
     if out is None:
         return torch.empty(numel, dtype=dtype, device=device)
-    L.check_tensor("out", out, dtype=dtype, device=device, ndim=1)
+    check_tensor("out", out, dtype=dtype, device=device, ndim=1)
     if out.numel() < numel:
         raise ValueError(f"out has {out.numel()} elements but the send layout needs {numel}")
     return out[:numel]
@@ -147,30 +147,15 @@ def finalize_to_shards(*, routed=None, expert_out=None, expert_weights=None, exp
     ``out``: optional fp32 1-D tensor of at least ``M * n`` elements (e.g. a view into a symmetric
     send area); the returned tensor is ``out[:M * n]``."""
     n, W = _bounds(bounds)
-    triple = (expert_out, expert_weights, expanded_idx)
-    if routed is not None and any(x is not None for x in triple):
-        raise ValueError("routed: pass either routed or the triple (expert_out, expert_weights, "
-                         "expanded_idx), not both")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale must be a float, got {scale!r}")
-    if routed is not None:
-        L.check_tensor("routed", routed, dtypes=ROUTED_DTYPES, ndim=2, shape=(None, n))
-        M, K, dev, finalize = routed.shape[0], 1, routed.device, False
-    else:
-        missing = [nm for nm, x in zip(("expert_out", "expert_weights", "expanded_idx"), triple) if x is None]
-        if missing:
-            raise ValueError(f"{missing[0]}: pass routed or all three of expert_out, expert_weights "
-                             f"and expanded_idx")
-        L.check_tensor("expanded_idx", expanded_idx, dtype=torch.int32, ndim=2)
-        M, K = expanded_idx.shape
-        dev, finalize = expanded_idx.device, True
-        if not 1 <= K <= MAX_TOP_K:
-            raise ValueError(f"expanded_idx: top_k must be in 1..{MAX_TOP_K}, got {K}")
-        L.check_tensor("expert_weights", expert_weights, dtypes=WEIGHT_DTYPES, device=dev, ndim=2, shape=(M, K))
-        L.check_tensor("expert_out", expert_out, dtypes=EXPERT_DTYPES, device=dev, ndim=2, shape=(None, n))
-        if expert_out.shape[0] < 1:
-            raise ValueError("expert_out must have at least one row")
-        L.check_indices(expanded_idx, expert_out.shape[0])
+    dev = (routed if routed is not None else expanded_idx if expanded_idx is not None else expert_out)
+    dev = dev.device if isinstance(dev, torch.Tensor) else None
+    finalize = check_routed(routed=routed, expert_out=expert_out, expert_weights=expert_weights,
+                            expanded_idx=expanded_idx, M=None, width=n, top_k=None, dtype=None, device=dev,
+                            routed_dtypes=ROUTED_DTYPES, expert_dtypes=EXPERT_DTYPES)
+    M = routed_rows(routed, expanded_idx)
+    K = expanded_idx.shape[1] if finalize else 1
     out = _flat_out(out, M * n, torch.float32, dev)
     if M * n == 0:
         return out
@@ -184,7 +169,7 @@ def finalize_to_shards(*, routed=None, expert_out=None, expert_weights=None, exp
 def pack_shards(x: torch.Tensor, bounds, out=None, tactics: Optional[dict] = None) -> torch.Tensor:
     """``x [M, n]`` (any dtype, unit column stride) copied exactly into the send layout ``[M * n]``
     (same dtype), one launch.  ``out``: optional 1-D tensor of at least ``M * n`` elements."""
-    L.check_tensor("x", x, ndim=2, contiguous=False)
+    check_tensor("x", x, ndim=2, contiguous=False)
     n, W = _bounds(bounds, x.shape[1])
     M = x.shape[0]
     if M * n and x.stride(1) != 1:
@@ -214,25 +199,25 @@ def ordered_sum(*, M, n, dtype_in, src=None, src_table=None, src_offset_elems=0,
         raise ValueError("src: pass exactly one of src (a [W, M, n] tensor) and src_table (int64 addresses)")
     off = _int("src_offset_elems", src_offset_elems, 0)
     if src is not None:
-        L.check_tensor("src", src, dtype=dtype_in, ndim=3, shape=(None, M, n))
+        check_tensor("src", src, dtype=dtype_in, ndim=3, shape=(None, M, n))
         if off:
             raise ValueError("src_offset_elems applies to src_table only")
         W, dev = src.shape[0], src.device
     else:
-        L.check_tensor("src_table", src_table, dtype=torch.int64, ndim=1)
+        check_tensor("src_table", src_table, dtype=torch.int64, ndim=1)
         W, dev = src_table.shape[0], src_table.device
     if W < 1:
         raise ValueError("src/src_table must name at least one source")
     if out is None:
         out = torch.empty(M, n, dtype=torch.float32, device=dev)
     else:
-        L.check_tensor("out", out, dtype=torch.float32, device=dev, ndim=2, shape=(M, n))
+        check_tensor("out", out, dtype=torch.float32, device=dev, ndim=2, shape=(M, n))
     ss = None
     if sumsq:
         if sumsq_out is None:
             ss = torch.empty(M, dtype=torch.float64, device=dev)
         else:
-            ss = L.check_tensor("sumsq_out", sumsq_out, dtype=torch.float64, device=dev, ndim=1, shape=(M,))
+            ss = check_tensor("sumsq_out", sumsq_out, dtype=torch.float64, device=dev, ndim=1, shape=(M,))
     elif sumsq_out is not None:
         raise ValueError("sumsq_out given with sumsq=False")
     if M == 0 or n == 0:
@@ -262,18 +247,18 @@ def normalize_shard(x32, stats64, gamma_shard, *, eps: float, width: int, dtype,
     ``round(fp32(fp32(x32 * rstd) * gamma))``, ``rstd = numerics.rms_rstd`` of the full-width
     sum of squares ``sum_{s in rank order} stats64[t, s]`` (``stats64 [M, W]`` fp64, the
     all-gathered :func:`ordered_sum` statistics) over ``width`` columns."""
-    if dtype not in L.SUPPORTED_DTYPES:
+    if dtype not in ACT_DTYPES:
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    L.check_tensor("x32", x32, dtype=torch.float32, ndim=2)
+    check_tensor("x32", x32, dtype=torch.float32, ndim=2)
     M, n = x32.shape
     dev = x32.device
-    L.check_tensor("stats64", stats64, dtype=torch.float64, device=dev, ndim=2, shape=(M, None))
+    check_tensor("stats64", stats64, dtype=torch.float64, device=dev, ndim=2, shape=(M, None))
     W = stats64.shape[1]
     if W < 1:
         raise ValueError("stats64 must have at least one column (one per rank)")
     # a slice of gamma at an uneven shard boundary (W = 3: 1195 columns) need not be 16-byte aligned;
     # the kernel's gamma loads assume nothing (Triton specializes the pointer's alignment itself)
-    L.check_tensor("gamma_shard", gamma_shard, dtypes=(dtype, torch.float32), device=dev, ndim=1, shape=(n,),
+    check_tensor("gamma_shard", gamma_shard, dtypes=(dtype, torch.float32), device=dev, ndim=1, shape=(n,),
                    aligned=False)
     width = _int("width", width, max(1, n))
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
@@ -281,7 +266,7 @@ def normalize_shard(x32, stats64, gamma_shard, *, eps: float, width: int, dtype,
     if out is None:
         out = torch.empty(M, n, dtype=dtype, device=dev)
     else:
-        L.check_tensor("out", out, dtype=dtype, device=dev, ndim=2, shape=(M, n))
+        check_tensor("out", out, dtype=dtype, device=dev, ndim=2, shape=(M, n))
     if M * n == 0:
         return out
     t = _tactics(tactics, ("block_n", "block_m", "num_warps"))

@@ -20,12 +20,16 @@ from typing import Optional
 
 import torch
 
+from k3tail.config import ACT_DTYPES
 from k3tail.runtime import launch as L
+from k3tail.runtime.modes import interpret_mode
 from k3tail.triton_kernels.projection import epilogue_kernel, projection_kernel
-from k3tail.runtime.workspace import interpret_mode
 
 _EPILOGUES = ("torch", "triton")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SHARED_DTYPES = (torch.float32, *ACT_DTYPES)
+_GEMM = L.kernel(projection_kernel)
+_EPILOGUE = L.kernel(epilogue_kernel)
 
 
 def _check_2d(name, t, *, shape, dtypes, device):
@@ -35,7 +39,7 @@ def _check_2d(name, t, *, shape, dtypes, device):
         raise ValueError(f"{name} must have one of dtypes {list(dtypes)}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if t.dim() != 2 or tuple(t.shape) != tuple(shape):
+    if t.dim() != 2 or t.shape[0] != shape[0] or t.shape[1] != shape[1]:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
@@ -46,7 +50,7 @@ def default_tactics(n: int, *, interpret: bool) -> dict:
             "block_k": 512 if interpret else 256, "num_warps": 4, "epilogue": "triton"}
 
 
-_TACTIC_KEYS = frozenset(default_tactics(0, interpret=False))
+TACTIC_KEYS = frozenset(default_tactics(0, interpret=False))
 
 _MM_OUT_DTYPE_OK: dict = {}  # device type -> does torch.mm(..., out_dtype=torch.float32) work here?
 
@@ -70,66 +74,93 @@ def _mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), w.float().t())
 
 
-def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix: Optional[torch.Tensor] = None,
+class Projector:
+    """``project`` with its tactics resolved once (per output width): what the tiers hold, so a call
+    merges and checks nothing but its tensors.  ``Projector(tactics)(normed, up_weight, ...)`` has
+    :func:`project`'s arguments and contract."""
+
+    def __init__(self, tactics: Optional[dict] = None):
+        tactics = dict(tactics or {})
+        if set(tactics) - TACTIC_KEYS:
+            raise ValueError(f"tactics has unknown keys {sorted(set(tactics) - TACTIC_KEYS)} "
+                             f"(known: {sorted(TACTIC_KEYS)})")
+        if tactics.get("epilogue", "triton") not in _EPILOGUES:
+            raise ValueError(f"tactics['epilogue'] must be one of {list(_EPILOGUES)}, got {tactics['epilogue']!r}")
+        self.tactics = tactics
+        self._by_n: dict = {}
+
+    def _resolved(self, N: int) -> tuple:
+        r = self._by_n.get(N)
+        if r is None:
+            t = {**default_tactics(N, interpret=interpret_mode()), **self.tactics}
+            r = self._by_n[N] = (int(t["triton_max_m"]), int(t["block_n"]), int(t["block_k"]), int(t["num_warps"]),
+                                 t["epilogue"])
+        return r
+
+    def __call__(self, normed: torch.Tensor, up_weight: torch.Tensor, *, prefix_hidden: Optional[torch.Tensor] = None,
+                 shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not isinstance(normed, torch.Tensor) or normed.dim() != 2:
+            raise ValueError(f"normed must be a 2-D tensor, got {getattr(normed, 'shape', type(normed).__name__)}")
+        if normed.dtype not in ACT_DTYPES:
+            raise ValueError(f"normed must be bf16 or fp16, got {normed.dtype}")
+        M, K = normed.shape
+        dev = normed.device
+        if not isinstance(up_weight, torch.Tensor) or up_weight.dim() != 2:
+            raise ValueError("up_weight must be a 2-D tensor [N, L]")
+        N = up_weight.shape[0]
+        _check_2d("up_weight", up_weight, shape=(N, K), dtypes=(normed.dtype,), device=dev)
+        if prefix_hidden is not None:
+            _check_2d("prefix_hidden", prefix_hidden, shape=(M, N), dtypes=ACT_DTYPES, device=dev)
+        if shared_sum is not None:
+            _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=_SHARED_DTYPES, device=dev)
+        triton_max_m, bn, bk, warps, epilogue = self._resolved(N)
+        out_dtype = normed.dtype if out_dtype is None else out_dtype
+        if out_dtype not in _OUT_DTYPES:
+            raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
+        if out is None:
+            out = torch.empty(M, N, dtype=out_dtype, device=dev)
+        else:
+            _check_2d("out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
+        if M == 0 or N == 0:
+            return out
+        if K == 0:
+            acc = torch.zeros(M, N, dtype=torch.float32, device=dev)
+            return _epilogue(acc, prefix_hidden, shared_sum, out)
+        if M <= triton_max_m:
+            bm = 16
+            pz = prefix_hidden if prefix_hidden is not None else out
+            sz = shared_sum if shared_sum is not None else out
+            _GEMM.variant(num_warps=warps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_PREFIX=prefix_hidden is not None,
+                          HAS_SHSUM=shared_sum is not None)(
+                (triton_cdiv(N, bn), triton_cdiv(M, bm)), normed, up_weight, pz, sz, out, M, N, K,
+                normed.stride(0), normed.stride(1), up_weight.stride(0), up_weight.stride(1),
+                pz.stride(0), pz.stride(1), sz.stride(0), sz.stride(1), out.stride(0), out.stride(1))
+            return out
+        acc = _mm_f32(normed, up_weight)
+        if epilogue == "triton":
+            return _epilogue_triton(acc.contiguous(), prefix_hidden, shared_sum, out)
+        return _epilogue(acc, prefix_hidden, shared_sum, out)
+
+
+_projectors: dict = {}
+
+
+def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix_hidden: Optional[torch.Tensor] = None,
             shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
             tactics: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``out [M, N] = prefix + normed @ up_weight^T + shared_sum`` with fp32 accumulation, one rounding.
+    """``out [M, N] = prefix_hidden + normed @ up_weight^T + shared_sum`` with fp32 accumulation, one rounding.
 
     ``normed [M, L]`` bf16/fp16; ``up_weight [N, L]`` same dtype (may be a row shard);
-    ``prefix [M, N]`` 16-bit or None; ``shared_sum [M, N]`` fp32 or 16-bit or None; any strides
+    ``prefix_hidden [M, N]`` 16-bit or None; ``shared_sum [M, N]`` fp32 or 16-bit or None; any strides
     (column slices of wider tensors are fine); ``out_dtype`` defaults to ``normed.dtype``;
     ``out``: optional ``[M, N]`` tensor of ``out_dtype`` to write (any strides; e.g. a send area).
     """
-    tactics = dict(tactics or {})
-    if set(tactics) - _TACTIC_KEYS:
-        raise ValueError(f"tactics has unknown keys {sorted(set(tactics) - _TACTIC_KEYS)} "
-                         f"(known: {sorted(_TACTIC_KEYS)})")
-    if not isinstance(normed, torch.Tensor) or normed.dim() != 2:
-        raise ValueError(f"normed must be a 2-D tensor, got {getattr(normed, 'shape', type(normed).__name__)}")
-    if normed.dtype not in L.SUPPORTED_DTYPES:
-        raise ValueError(f"normed must be bf16 or fp16, got {normed.dtype}")
-    M, K = normed.shape
-    dev = normed.device
-    if not isinstance(up_weight, torch.Tensor) or up_weight.dim() != 2:
-        raise ValueError("up_weight must be a 2-D tensor [N, L]")
-    N = up_weight.shape[0]
-    _check_2d("up_weight", up_weight, shape=(N, K), dtypes=(normed.dtype,), device=dev)
-    if prefix is not None:
-        _check_2d("prefix", prefix, shape=(M, N), dtypes=L.SUPPORTED_DTYPES, device=dev)
-    if shared_sum is not None:
-        _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=(torch.float32, *L.SUPPORTED_DTYPES), device=dev)
-    tactics = {**default_tactics(N, interpret=interpret_mode()), **tactics}
-    epilogue = tactics["epilogue"]
-    if epilogue not in _EPILOGUES:
-        raise ValueError(f"tactics['epilogue'] must be one of {list(_EPILOGUES)}, got {epilogue!r}")
-    out_dtype = normed.dtype if out_dtype is None else out_dtype
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
-    if out is None:
-        out = torch.empty(M, N, dtype=out_dtype, device=dev)
-    else:
-        _check_2d("out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        acc = torch.zeros(M, N, dtype=torch.float32, device=dev)
-        return _epilogue(acc, prefix, shared_sum, out)
-    if M <= int(tactics["triton_max_m"]):
-        bn, bk = int(tactics["block_n"]), int(tactics["block_k"])
-        bm = 16
-        grid = (triton_cdiv(N, bn), triton_cdiv(M, bm))
-        pz = prefix if prefix is not None else out
-        sz = shared_sum if shared_sum is not None else out
-        L.launch(projection_kernel, grid, normed, up_weight, pz, sz, out, M, N, K,
-                 normed.stride(0), normed.stride(1), up_weight.stride(0), up_weight.stride(1),
-                 pz.stride(0), pz.stride(1), sz.stride(0), sz.stride(1), out.stride(0), out.stride(1),
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_PREFIX=prefix is not None,
-                 HAS_SHSUM=shared_sum is not None, num_warps=int(tactics["num_warps"]))
-        return out
-    acc = _mm_f32(normed, up_weight)
-    if epilogue == "triton":
-        return _epilogue_triton(acc.contiguous(), prefix, shared_sum, out)
-    return _epilogue(acc, prefix, shared_sum, out)
+    key = tuple(sorted((tactics or {}).items()))
+    p = _projectors.get(key)
+    if p is None:
+        p = _projectors[key] = Projector(tactics)
+    return p(normed, up_weight, prefix_hidden=prefix_hidden, shared_sum=shared_sum, out_dtype=out_dtype, out=out)
 
 
 def _epilogue_triton(acc, prefix, shared_sum, out, block_m: int = 16, block_n: int = 128):
@@ -137,10 +168,10 @@ def _epilogue_triton(acc, prefix, shared_sum, out, block_m: int = 16, block_n: i
     M, N = acc.shape
     pz = prefix if prefix is not None else out
     sz = shared_sum if shared_sum is not None else out
-    grid = (triton_cdiv(N, block_n), triton_cdiv(M, block_m))
-    L.launch(epilogue_kernel, grid, acc, pz, sz, out, M, N, acc.stride(0), pz.stride(0), pz.stride(1),
-             sz.stride(0), sz.stride(1), out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-             HAS_PREFIX=prefix is not None, HAS_SHSUM=shared_sum is not None)
+    _EPILOGUE.variant(BLOCK_M=block_m, BLOCK_N=block_n, HAS_PREFIX=prefix is not None,
+                      HAS_SHSUM=shared_sum is not None)(
+        (triton_cdiv(N, block_n), triton_cdiv(M, block_m)), acc, pz, sz, out, M, N, acc.stride(0),
+        pz.stride(0), pz.stride(1), sz.stride(0), sz.stride(1), out.stride(0), out.stride(1))
     return out
 
 

@@ -7,7 +7,8 @@ finished shard into every rank's mailbox; C: Lamport gather), no barrier.  B is 
 ``tl.dot`` GEMM (tactics ``b_block_n``, ``b_block_k``, ``b_split_k``, ``b_warps``,
 ``b_stages``), or for ``M <= b_gemv_max_m`` (0 = never, at most 4) a GEMV
 (``b_gemv_rows`` shard rows per program, ``b_gemv_warps``); same epilogue, same numerics.
-The tactics and kernel B's launch live in ``k3tail/tail_launch.py`` (re-exported here).
+Also here: the tactic dict (:func:`default_tactics`), kernel B's launch, and
+:func:`shard_gemm` (kernel B alone at world size 1, for benchmarks and tests).
 
 Workspace pool (DESIGN §3.1).  Workspace sets live in pools keyed by (group identity,
 device, world size, hidden, latent, max_tokens, dtype, pool_depth).  A pool holds
@@ -33,17 +34,111 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from k3tail.runtime import launch as L
+from k3tail.config import ACT_DTYPES, DEFAULT_EPS
 from k3tail.numerics import f32
-from k3tail.ops.tail_launch import (_CNT_B, _MAX_GEMV_M, _MAX_GEMV_ROWS, _MAX_NUMEL, _MAX_SPLIT_K,  # noqa: F401
-                          _SQ_STRIDE, _b_constexprs, _check_tactics, _default_tactics, _launch_b,
-                          _standalone, shard_gemm)
-from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
+from k3tail.runtime import launch as L
+from k3tail.runtime.checks import check_routed, check_tensor
+from k3tail.runtime.comm import comm_for
 from k3tail.runtime.loopback import group_identity
-from k3tail.runtime.workspace import (Workspace, arm_region, comm_for, create_workspace, interpret_mode, resolve_device,
-                        CTRL_WORDS)
+from k3tail.runtime.modes import interpret_mode
+from k3tail.runtime.workspace import Workspace, create_workspace, local_workspace, resolve_device
+from k3tail.triton_kernels.lamport import CTRL_WORDS
+from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
+from k3tail.triton_kernels.tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel
 
-__all__ = ["LatentTail", "shard_gemm", "workspace_layout"]
+__all__ = ["LatentTail", "default_tactics", "shard_gemm", "workspace_layout"]
+
+_A = L.kernel(tail_a_kernel)
+_B = L.kernel(tail_b_kernel)
+_B_GEMV = L.kernel(tail_b_gemv_kernel)
+_C = L.kernel(tail_c_kernel)
+
+_SQ_STRIDE = 64          # most A slices per token
+_CNT_B = 4096            # most (N-block) counters of B
+_MAX_SPLIT_K = 16
+_MAX_GEMV_M = 4          # the GEMV variant of B unrolls over M padded to a power of two
+_MAX_GEMV_ROWS = 64
+_MAX_NUMEL = 1 << 20     # Triton's largest block (the GEMV's [rows, L padded] weight tile)
+
+
+
+def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -> dict:
+    shard = hidden // W
+    p2 = L.next_pow2
+    if interpret_mode() or device.type != "cuda":
+        # The interpreter runs programs one after another: few, large programs.
+        return {"a_slices": 1, "b_block_n": max(16, min(256, p2(shard))),
+                "b_block_k": max(16, min(512, p2(latent))), "b_split_k": 1, "b_warps": 4,
+                "b_stages": 1, "b_gemv_max_m": 0, "b_gemv_rows": 8, "b_gemv_warps": 4,
+                "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
+    bn = 32 if shard >= 32 else 16
+    n_blocks = -(-shard // bn)
+    split, bk = 1, 128
+    for s in (16, 8, 4, 2, 1):
+        if n_blocks * s > sms + sms // 4:
+            continue
+        cand = [k for k in (256, 128, 64) if latent % (k * s) == 0]
+        if cand:
+            split, bk = s, cand[0]
+            break
+    # GEMV for M = 1 only by default: on the H200 (bench_tail.json, df25f34) it took 3.90 us vs
+    # 6.05 tiled at M = 1 (W = 8 shard), but lost at M = 4 (6.06 vs 5.2-5.8; 10.8 vs 7.5 at W = 4)
+    return {"a_slices": slices, "b_block_n": bn, "b_block_k": bk, "b_split_k": split, "b_warps": 4,
+            "b_stages": 4, "b_gemv_max_m": 1, "b_gemv_rows": 8, "b_gemv_warps": 8,
+            "c_block": 1024, "c_programs": 16}
+
+
+def _check_tactics(t: dict, latent: int) -> None:
+    for k in ("a_slices", "b_block_n", "b_block_k", "b_split_k", "b_warps", "b_stages", "c_block",
+              "c_programs"):
+        if not isinstance(t.get(k), int) or t[k] < 1:
+            raise ValueError(f"tactics[{k!r}] must be a positive int, got {t.get(k)!r}")
+    if t["a_slices"] > _SQ_STRIDE:
+        raise ValueError(f"tactics['a_slices'] must be <= {_SQ_STRIDE}, got {t['a_slices']}")
+    if t["b_split_k"] > _MAX_SPLIT_K:
+        raise ValueError(f"tactics['b_split_k'] must be <= {_MAX_SPLIT_K}, got {t['b_split_k']}")
+    for k in ("b_block_n", "b_block_k", "c_block"):
+        if t[k] < 16 or t[k] & (t[k] - 1):
+            raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
+    g = t.get("b_gemv_max_m")
+    if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g <= _MAX_GEMV_M:
+        raise ValueError(f"tactics['b_gemv_max_m'] must be an int in 0..{_MAX_GEMV_M} (0 = no GEMV), got {g!r}")
+    for k, hi in (("b_gemv_rows", _MAX_GEMV_ROWS), ("b_gemv_warps", 32)):
+        v = t.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi or v & (v - 1):
+            raise ValueError(f"tactics[{k!r}] must be a power of two in 1..{hi}, got {v!r}")
+    if g and t["b_gemv_rows"] * L.next_pow2(latent) > _MAX_NUMEL:
+        raise ValueError(f"tactics['b_gemv_rows'] ({t['b_gemv_rows']}) x latent padded to a power of two "
+                         f"({L.next_pow2(latent)}) exceeds Triton's largest block ({_MAX_NUMEL})")
+
+
+def _b_constexprs(t: dict, *, hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool,
+                  use_pdl: bool) -> dict:
+    return dict(HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
+                PAD_BYTES=lay["pad_off"], BLOCK_M_=BLOCK_M, BLOCK_N=t["b_block_n"],
+                BLOCK_K=t["b_block_k"], SPLIT_K=t["b_split_k"],
+                EVEN_K=latent % (t["b_block_k"] * t["b_split_k"]) == 0, EVEN_N=shard % t["b_block_n"] == 0,
+                MULTICAST=multicast, USE_PDL=use_pdl, num_stages=t["b_stages"])
+
+
+def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank: int, *,
+              hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
+    """Kernel B: the GEMV variant for ``M <= b_gemv_max_m``, else the tiled GEMM."""
+    if M <= t["b_gemv_max_m"]:
+        rows = t["b_gemv_rows"]
+        _B_GEMV.variant(
+            HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
+            PAD_BYTES=lay["pad_off"], ROWS=rows, K_P2=L.next_pow2(latent), M_P2=L.next_pow2(M),
+            EVEN_N=shard % rows == 0, MULTICAST=multicast, USE_PDL=pdl, num_warps=t["b_gemv_warps"], pdl=pdl)(
+            (-(-shard // rows),), normed, up_weight, rs32, prefix, table, mc, ctrl, rank, M)
+        return
+    n_blocks = -(-shard // t["b_block_n"])
+    c = _b_constexprs(t, hidden=hidden, latent=latent, shard=shard, W=W, lay=lay, multicast=multicast, use_pdl=pdl)
+    stages = c.pop("num_stages")
+    _B.variant(num_warps=t["b_warps"], num_stages=stages, pdl=pdl, **c)(
+        (n_blocks * t["b_split_k"],), normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank, M)
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -100,24 +195,11 @@ _pools: dict = {}
 _pools_lock = threading.Lock()
 
 
-def _local_workspace(nbytes: int, device: torch.device, arm32) -> Workspace:
-    """World size 1: a plain local region (no peers), same kernels."""
-    region = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    arm_region(region, arm32)
-    table = torch.tensor([region.data_ptr()], dtype=torch.int64, device=device)
-    ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int32, device=device)
-    host_flag = torch.zeros(1, dtype=torch.int32)
-    if device.type == "cuda":
-        host_flag = host_flag.pin_memory()
-    return Workspace("local", 0, 1, device, nbytes, table, region, ctrl, host_flag, 0, "local",
-                     _keep=[region])
-
-
 def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype) -> _Set:
     lay = workspace_layout(hidden=hidden, latent=latent, world_size=W, max_tokens=max_tokens, dtype=dtype)
     arm32 = ((0, lay["routed_bytes"]),)
     if comm is None:
-        ws = _local_workspace(lay["nbytes"], device, arm32)
+        ws = local_workspace(lay["nbytes"], device, arm32)
     else:
         ws = create_workspace(group, lay["nbytes"], device=device, what="LatentTail", arm32=arm32)
     dev = ws.device
@@ -150,10 +232,10 @@ class LatentTail:
     op_name = "LatentTail"
 
     def __init__(self, group=None, *, hidden: int, latent: int, top_k: Optional[int] = None,
-                 eps: float = 1e-5, routed_scale: float = 1.0, max_tokens: int = 16,
+                 eps: float = DEFAULT_EPS, routed_scale: float = 1.0, max_tokens: int = BLOCK_M,
                  dtype: torch.dtype = torch.bfloat16, key: str, pool_depth: int = 2,
                  timeout_s: float = 20.0, tactics: Optional[dict] = None, device=None):
-        if dtype not in L.SUPPORTED_DTYPES:
+        if dtype not in ACT_DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         for name, v in (("hidden", hidden), ("latent", latent)):
             if not isinstance(v, int) or v <= 0:
@@ -197,7 +279,7 @@ class LatentTail:
         self._set = self._acquire_set(dev)
         self.ws = self._set.ws
         self.device = self.ws.device
-        t = _default_tactics(hidden=hidden, latent=latent, W=W, device=self.device)
+        t = default_tactics(hidden=hidden, latent=latent, W=W, device=self.device)
         if tactics:
             unknown = set(tactics) - set(t)
             if unknown:
@@ -209,6 +291,11 @@ class LatentTail:
             if -(-self.shard // t["b_block_n"]) > _CNT_B:
                 raise ValueError("tactics: too many B blocks for the split-K counters")
             self._set.ensure_part(t["b_split_k"], self.shard)
+
+    @property
+    def slot_set(self):
+        """This op's workspace set (the symmetric region and the local scratch: tests and debugging)."""
+        return self._set
 
     def _multicast_ok(self, M: int) -> bool:
         """Kernel B's multicast stores go in 32-bit pairs of columns: only where the workspace has
@@ -250,43 +337,26 @@ class LatentTail:
         self.ws.sync_check(self.op_name, self.timeout_s)
 
     # ------------------------------------------------------------------ call
-    def _validate(self, prefix, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
+    def _validate(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
                   expanded_idx) -> bool:
         H, Lt, dt, dev = self.hidden, self.latent, self.dtype, self.device
-        L.check_tensor("prefix", prefix, dtype=dt, device=dev, ndim=2, shape=(None, H))
-        M = prefix.shape[0]
+        check_tensor("prefix_hidden", prefix_hidden, dtype=dt, device=dev, ndim=2, shape=(None, H))
+        M = prefix_hidden.shape[0]
         if M > self.max_tokens:
-            raise ValueError(f"prefix has {M} rows but max_tokens is {self.max_tokens}")
-        L.check_tensor("shared", shared, dtype=dt, device=dev, ndim=2, shape=(M, H))
-        L.check_tensor("norm_weight", norm_weight, dtypes=(dt, torch.float32), device=dev, ndim=1, shape=(Lt,))
-        L.check_tensor("up_weight", up_weight, dtype=dt, device=dev, ndim=2, shape=(self.shard, Lt))
-        triple = (expert_out, expert_weights, expanded_idx)
-        if routed is not None:
-            if any(x is not None for x in triple):
-                raise ValueError("pass either routed or the triple (expert_out, expert_weights, "
-                                 "expanded_idx), not both")
-            L.check_tensor("routed", routed, dtype=dt, device=dev, ndim=2, shape=(M, Lt))
-            return False
-        if any(x is None for x in triple):
-            raise ValueError("pass routed, or all of expert_out, expert_weights and expanded_idx")
-        L.check_tensor("expert_out", expert_out, dtype=dt, device=dev, ndim=2, shape=(None, Lt))
-        L.check_tensor("expert_weights", expert_weights, dtypes=(torch.float32, torch.bfloat16, torch.float16),
-                       device=dev, ndim=2, shape=(M, None))
-        K = expert_weights.shape[1]
-        if self.top_k is not None and K != self.top_k:
-            raise ValueError(f"expert_weights has {K} columns but top_k is {self.top_k}")
-        if K < 1:
-            raise ValueError("expert_weights must have at least one column")
-        L.check_tensor("expanded_idx", expanded_idx, dtype=torch.int32, device=dev, ndim=2, shape=(M, K))
-        L.check_indices(expanded_idx, expert_out.shape[0])
-        return True
+            raise ValueError(f"prefix_hidden has {M} rows but max_tokens is {self.max_tokens}")
+        check_tensor("shared", shared, dtype=dt, device=dev, ndim=2, shape=(M, H))
+        check_tensor("norm_weight", norm_weight, dtypes=(dt, torch.float32), device=dev, ndim=1, shape=(Lt,))
+        check_tensor("up_weight", up_weight, dtype=dt, device=dev, ndim=2, shape=(self.shard, Lt))
+        return check_routed(routed=routed, expert_out=expert_out, expert_weights=expert_weights,
+                            expanded_idx=expanded_idx, M=M, width=Lt, top_k=self.top_k, dtype=dt, device=dev)
 
-    def __call__(self, *, prefix: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
+    def __call__(self, *, prefix_hidden: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                  up_weight: torch.Tensor, routed: Optional[torch.Tensor] = None,
                  expert_out: Optional[torch.Tensor] = None, expert_weights: Optional[torch.Tensor] = None,
                  expanded_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        deferred = self._validate(prefix, shared, norm_weight, up_weight, routed, expert_out,
+        deferred = self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out,
                                   expert_weights, expanded_idx)
+        prefix = prefix_hidden
         M = prefix.shape[0]
         out = torch.empty(M, self.hidden, dtype=self.dtype, device=self.device)
         if M == 0:
@@ -309,14 +379,12 @@ class LatentTail:
             rt = expert_out
         else:
             eo, ew, idx, K, rt = routed, routed, st.dummy_idx, 1, routed
-        L.launch(tail_a_kernel, (min(M * slices, cap),),
-                 rt, eo, ew, idx, shared, norm_weight,
-                 st.normed, st.sum32, st.sq, st.rs32, st.cnt_a,
-                 ws.table, ws.ctrl, ws.host_flag, clock,
-                 ws.rank, M, timeout_ns, *self._scalars32,
-                 HIDDEN=H, LATENT=Lt, SHARD=S, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
-                 SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
-                 DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)
+        _A.variant(HIDDEN=H, LATENT=Lt, SHARD=S, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
+                   SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
+                   DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)(
+            (min(M * slices, cap),), rt, eo, ew, idx, shared, norm_weight,
+            st.normed, st.sum32, st.sq, st.rs32, st.cnt_a, ws.table, ws.ctrl, ws.host_flag, clock,
+            ws.rank, M, timeout_ns, *self._scalars32)
         # ---- B
         part = st.part if t["b_split_k"] > 1 else st.sum32
         _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, part, st.cnt_b, ws.table, st.mc, ws.ctrl,
@@ -324,9 +392,55 @@ class LatentTail:
                   multicast=self._multicast_ok(M), pdl=pdl)
         # ---- C
         chunks = -(-H // t["c_block"])
-        L.launch(tail_c_kernel, (max(1, min(M * chunks, t["c_programs"], cap)),),
-                 out, ws.table, ws.ctrl, ws.host_flag, clock, ws.rank, M, timeout_ns,
-                 HIDDEN=H, MB_BYTES=st.layout["mb_off"], BLOCK=t["c_block"],
-                 USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)
+        _C.variant(HIDDEN=H, MB_BYTES=st.layout["mb_off"], BLOCK=t["c_block"], USE_GLOBALTIMER=gt, USE_PDL=pdl,
+                   pdl=pdl)((max(1, min(M * chunks, t["c_programs"], cap)),),
+                            out, ws.table, ws.ctrl, ws.host_flag, clock, ws.rank, M, timeout_ns)
         L.after_launch(ws, self.op_name, self.timeout_s)
         return out
+
+
+# ------------------------------------------------------------- kernel B standalone
+_standalone: dict = {}
+
+
+def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+               tactics: Optional[dict] = None) -> torch.Tensor:
+    """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``
+    (its GEMV variant when ``M <= tactics["b_gemv_max_m"]``).
+
+    For the benchmark and tests: the "mailbox" is ``out`` itself, the shared shard and
+    the prefix are zeros, so the result is the fp32-accumulated product rounded once.
+    The first call for a given ``out`` allocates its helpers; later calls (same ``out``)
+    allocate nothing and are CUDA-graph capturable.
+    """
+    if normed.dtype not in ACT_DTYPES:
+        raise ValueError(f"normed must be bfloat16 or float16, got {normed.dtype}")
+    check_tensor("normed", normed, ndim=2)
+    M, Lt = normed.shape
+    if not 1 <= M <= BLOCK_M:
+        raise ValueError(f"normed must have 1..{BLOCK_M} rows, got {M}")
+    check_tensor("up_weight", up_weight, dtype=normed.dtype, device=normed.device, ndim=2, shape=(None, Lt))
+    N = up_weight.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=normed.dtype, device=normed.device)
+    check_tensor("out", out, dtype=normed.dtype, device=normed.device, ndim=2, shape=(M, N))
+    dev = normed.device
+    t = default_tactics(hidden=N, latent=Lt, W=1, device=dev)
+    if tactics:
+        t.update(tactics)
+    _check_tactics(t, Lt)
+    k = (out.data_ptr(), M, N, Lt, normed.dtype, dev, t["b_split_k"])
+    h = _standalone.get(k)
+    if h is None:
+        h = {"table": torch.tensor([out.data_ptr()], dtype=torch.int64, device=dev),
+             "rs32": torch.zeros(BLOCK_M, N, dtype=torch.float32, device=dev),
+             "prefix": torch.zeros(M, N, dtype=normed.dtype, device=dev),
+             "part": torch.zeros(max(1, t["b_split_k"]) * BLOCK_M * N, dtype=torch.float32, device=dev),
+             "cnt": torch.zeros(_CNT_B, dtype=torch.int32, device=dev),
+             "mc": torch.zeros(1, dtype=torch.int64, device=dev),
+             "ctrl": torch.zeros(CTRL_WORDS, dtype=torch.int32, device=dev)}
+        _standalone[k] = h
+    lay = {"mb_off": 0, "pad_off": 0}
+    _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["part"], h["cnt"], h["table"], h["mc"],
+              h["ctrl"], 0, hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False)
+    return out

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from k3tail.errors import K3TailError
 
-__all__ = ["Comm", "DistComm", "comm_for"]
+__all__ = ["Comm", "DistComm", "SoloComm", "comm_for"]
 
 
 class Comm:
@@ -30,6 +30,21 @@ class Comm:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+
+class SoloComm(Comm):
+    """A world of one (``k3tail doctor`` without a process group, or W = 1)."""
+
+    rank, world_size, name, backend = 0, 1, "solo", "solo"
+
+    def all_reduce_min(self, values):
+        return [int(v) for v in values]
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+    def barrier(self):
+        pass
 
 
 class DistComm(Comm):

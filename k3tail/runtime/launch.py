@@ -1,29 +1,218 @@
-"""Launch plumbing shared by the ops: PDL, clocks, grid caps, warm-up, input checks."""
+"""Kernel launch: every variant compiled and loaded once, then launched without Triton's generic dispatcher.
+
+Why.  ``kernel[grid](*args, **constexprs)`` binds the arguments, builds a cache key from every
+argument's specialization and the options, looks the compiled kernel up, checks the globals it
+used and only then launches: about 27 us of host time per launch on the H200 machine (issue 19),
+more than many of the tail's kernels take on the GPU.  Here a :class:`Variant` is one kernel
+with its compile-time values (constexprs, ``num_warps``, ``num_stages``, PDL) fixed when an op
+builds it; a call computes only what Triton specializes on from the runtime arguments (the
+*signature*, :func:`spec_key`), finds the compiled kernel of that signature in a dict and calls
+its launcher directly.
+
+The Triton-version shim is this file alone (tested with Triton 3.6 through 3.9, whose
+``CompiledKernel.run`` and specialization rules are the same):
+
+* ``CompiledKernel.run(grid_0, grid_1, grid_2, stream, function, packed_metadata,
+  launch_metadata, launch_enter_hook, launch_exit_hook, *all_args)`` with every declared argument
+  in order, constexprs included (what ``JITFunction.run`` calls after dispatch);
+* the specialization of a runtime argument (``native_specialize_impl``): a tensor by its dtype and
+  whether its address is 16-byte aligned; an int by its width class (i32, i64, u64) and, unless
+  the kernel marks it ``do_not_specialize``, by ``== 1`` and ``% 16 == 0``; a bool, a float and
+  None by their type.  :func:`spec_key` mirrors it; ``tests/test_launch.py`` checks it against
+  the installed Triton's own function.
+* When a launch hook is installed (a profiler such as proton), calls take Triton's own path.
+
+Loading a module while another virtual rank's kernel spins can hang the process (TRITON_NOTES 2),
+so a variant is compiled and loaded on first use, before it launches, and inside
+:func:`k3tail.runtime.modes.warm_only` it is compiled and loaded but not launched
+(``LoopbackWorld.run``'s warm pass and ``K3MoETail.warmup``).  Under the interpreter
+(``TRITON_INTERPRET=1``) nothing is compiled: a variant calls ``kernel[grid](...)``.
+
+Also here: the launch-time facts every op needs, cached per device (PDL, the grid cap of
+spinning kernels, the interpreter's clock page) and the check after an interpreted launch.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import threading
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from k3tail.runtime.clock import clock_page
-from k3tail.runtime.modes import interpret_mode, warm_only, warm_only_active
-from k3tail.runtime.modes import state as _runtime_state
 from k3tail.errors import PeerTimeout
+from k3tail.runtime.clock import clock_page
 from k3tail.runtime.loopback import LoopbackGroup
+from k3tail.runtime.modes import interpret_mode, warm_only_active
 from k3tail.runtime.workspace import Workspace
 
-# interpret_mode, warm_only, LoopbackGroup and Workspace stay importable from here (re-exports)
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
+_observer: Optional[Callable] = None  # tests: sees every launch (kernel, grid, args, options, constexprs)
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+def set_observer(fn: Optional[Callable]) -> Optional[Callable]:
+    """Install ``fn(kernel, grid, args, options, constexprs)``, called before every launch (tests use it
+    to record the variants that ran); returns the previous observer."""
+    global _observer
+    prev, _observer = _observer, fn
+    return prev
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def spec_key(arg, specialize: bool):
+    """What Triton 3.6-3.9 specialize a kernel on for one runtime argument (see the module docstring)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or arg is None or isinstance(arg, float):
+        return type(arg)
+    if isinstance(arg, int):
+        cls = 0 if _I32[0] <= arg <= _I32[1] else (2 if 2 ** 63 <= arg <= 2 ** 64 - 1 else 1)
+        if not specialize:
+            return cls
+        return (cls, arg == 1, arg % 16 == 0)
+    return type(arg)
+
+
+def _hooks_installed() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - Triton < 3.4 is outside the supported range
+        return False
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+class Variant:
+    """One kernel with its compile-time values fixed: ``variant(grid, *runtime_args)`` launches it on
+    the current stream (see the module docstring).  Build it with :meth:`Kernel.variant`."""
+
+    def __init__(self, kernel: "Kernel", options: dict, constexprs: dict):
+        self.kernel, self.options, self.constexprs = kernel, options, constexprs
+        self._compiled: Dict[tuple, object] = {}
+        self._tail: Optional[tuple] = None  # the constexpr values after the runtime args, in declared order
+        self._nargs = -1
+        self._lock = threading.Lock()
+
+    def _tail_for(self, nargs: int) -> tuple:
+        names = self.kernel.arg_names[nargs:]
+        missing = [n for n in names if n not in self.constexprs and n not in self.kernel.defaults]
+        if missing:
+            raise ValueError(f"{self.kernel.name}: no value for {missing} (pass them as constexprs)")
+        return tuple(self.constexprs[n] if n in self.constexprs else self.kernel.defaults[n] for n in names)
+
+    def __call__(self, grid: Sequence[int], *args):
+        k = self.kernel
+        if _observer is not None:
+            _observer(k.fn, tuple(grid), args, self.options, self.constexprs)
+        if interpret_mode():
+            return k.fn[tuple(grid)](*args, **self.constexprs, **self.options)
+        if len(args) != self._nargs:
+            self._tail, self._nargs = self._tail_for(len(args)), len(args)
+        dns = k.dns
+        sig = tuple(spec_key(a, i not in dns) for i, a in enumerate(args))
+        c = self._compiled.get(sig)
+        if c is None:
+            c = self._compile(sig, grid, args)
+        if warm_only_active():
+            return None
+        if _hooks_installed():
+            return k.fn[tuple(grid)](*args, **self.constexprs, **self.options)
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = k.current_stream(k.current_device())
+        c.run(g0, g1, g2, stream, c.function, c.packed_metadata, None, None, None, *args, *self._tail)
+        return None
+
+    def _compile(self, sig, grid, args):
+        with self._lock:
+            c = self._compiled.get(sig)
+            if c is None:
+                c = self.kernel.fn.warmup(*args, grid=tuple(grid), **self.constexprs, **self.options)
+                c._init_handles()  # load the module now, never while a peer spins
+                self._compiled[sig] = c
+        return c
+
+
+class Kernel:
+    """The launcher of one ``@triton.jit`` kernel: its variants (one per set of compile-time values)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
+        self.arg_names = list(fn.arg_names)
+        params = getattr(fn, "params", None)
+        self.dns = frozenset(p.num for p in params if p.do_not_specialize) if params is not None else frozenset()
+        self.defaults = {p.name: p.default for p in params if p.has_default} if params is not None else {}
+        self._variants: Dict[tuple, Variant] = {}
+        self._lock = threading.Lock()
+        self._stream_fn = None
+
+    def variant(self, *, num_warps: int = 4, num_stages: Optional[int] = None, pdl: bool = False,
+                **constexprs) -> Variant:
+        key = (num_warps, num_stages, bool(pdl), tuple(sorted(constexprs.items())))
+        v = self._variants.get(key)
+        if v is None:
+            opts = {"num_warps": num_warps}
+            if num_stages is not None:
+                opts["num_stages"] = num_stages
+            if pdl and not interpret_mode():
+                opts["launch_pdl"] = True  # a compile option as well as a launch attribute
+            with self._lock:
+                v = self._variants.setdefault(key, Variant(self, opts, dict(constexprs)))
+        return v
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def current_stream(self, device: int):
+        if self._stream_fn is None:
+            from triton.runtime import driver
+            self._stream_fn = driver.active.get_current_stream
+        return self._stream_fn(device)
+
+
+_kernels: Dict[int, Kernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def kernel(fn) -> Kernel:
+    """The one :class:`Kernel` of ``fn`` (created on first use)."""
+    k = _kernels.get(id(fn))
+    if k is None:
+        with _kernels_lock:
+            k = _kernels.setdefault(id(fn), Kernel(fn))
+    return k
+
+
+def launch(fn, grid, *args, pdl: bool = False, num_warps: int = 4, num_stages: Optional[int] = None,
+           **constexprs):
+    """One-off form of ``kernel(fn).variant(...)(grid, *args)`` (hot paths keep their Variant)."""
+    return kernel(fn).variant(num_warps=num_warps, num_stages=num_stages, pdl=pdl, **constexprs)(grid, *args)
+
+
+# ------------------------------------------------------------------ per-device launch facts
+_pdl_cache: Dict[torch.device, bool] = {}
+_sms_cache: Dict[torch.device, int] = {}
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, not the interpreter, not disabled."""
     if interpret_mode() or device.type != "cuda" or os.environ.get("K3TAIL_DISABLE_PDL", "0") not in ("", "0"):
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    v = _pdl_cache.get(device)
+    if v is None:
+        v = _pdl_cache[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return v
+
+
+def sm_count(device: torch.device) -> int:
+    n = _sms_cache.get(device)
+    if n is None:
+        n = _sms_cache[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def clock_arg(ws: Workspace) -> torch.Tensor:
@@ -40,14 +229,14 @@ def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
     Loopback (W virtual ranks on one GPU) has a second rule: a rank's spinning programs
     must leave room for the *other* ranks' ordinary kernels, which have to run for the
     spinners to finish.  With ``SMs // W`` programs per rank every SM held a spinner, and a
-    cuBLAS GEMM whose thread blocks need a whole SM's shared memory (the projection at
-    M > 16) had nowhere to go: seen on the H200 as whole-group timeouts of the gather after
-    the GEMM (W=4 SEPARATE_REDUCE and W=8 FUSED_LANE_AR at M=64, eager and graphed).  So
-    in loopback all spinners together take at most ``K3TAIL_LOOPBACK_SPIN_SHARE`` (default
-    0.5) of the SMs; the block scheduler spreads them, leaving the rest free of spinners."""
+    GEMM whose thread blocks need a whole SM's shared memory (the projection at M > 16) had
+    nowhere to go: seen on the H200 as whole-group timeouts of the gather after the GEMM
+    (W=4 SEPARATE_REDUCE and W=8 FUSED_LANE_AR at M=64, eager and graphed).  So in loopback
+    all spinners together take at most ``K3TAIL_LOOPBACK_SPIN_SHARE`` (default 0.5) of the
+    SMs; the block scheduler spreads them, leaving the rest free of spinners."""
     if interpret_mode() or device.type != "cuda":
         return 1 << 30
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     if isinstance(group, LoopbackGroup):
         share = float(os.environ.get("K3TAIL_LOOPBACK_SPIN_SHARE", "0.5"))
         if not 0.0 < share <= 1.0:
@@ -56,82 +245,7 @@ def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
     return sms
 
 
-_warm: set = set()
-_mode = _runtime_state  # per-thread: ``_mode.warm_only`` inside warm_only() (tests read it)
-
-
-def launch(kernel, grid, *args, pdl: bool = False, num_warps: int = 4, **kwargs):
-    """Launch ``kernel``; on CUDA compile and load its variant first (never while a peer spins).
-
-    Loading a module while another virtual rank's kernel spins can hang the process
-    (TRITON_NOTES 2), so every variant is compiled and loaded before its first launch
-    (and, in loopback, before any rank launches anything: :func:`warm_only`).
-    """
-    if not interpret_mode():
-        if pdl:
-            kwargs["launch_pdl"] = True  # a compile option too: warm up the same variant
-        key = (id(kernel), tuple(type(a).__name__ if not isinstance(a, torch.Tensor)
-                                 else (a.dtype, a.data_ptr() % 16 == 0) for a in args),
-               tuple(sorted(kwargs.items())), num_warps)
-        if key not in _warm:
-            compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps, **kwargs)
-            init = getattr(compiled, "_init_handles", None)
-            if init is not None:
-                init()
-            _warm.add(key)
-        if warm_only_active():
-            return None
-    return kernel[grid](*args, num_warps=num_warps, **kwargs)
-
-
-def after_launch(ws: Workspace, op: str, timeout_s: float) -> None:
+def after_launch(ws: Workspace, op: str, timeout_s: float, detail: str = "") -> None:
     """Under the interpreter the launch has finished: raise if a wait timed out."""
     if interpret_mode() and ws.poisoned():
-        raise PeerTimeout(op, ws.rank, ws.world_size, timeout_s, f"group {ws.group_name}")
-
-
-def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torch.device] = None,
-                 ndim: Optional[int] = None, shape=None, contiguous: bool = True,
-                 aligned: bool = True) -> torch.Tensor:
-    """Validate an input; raise ValueError naming the argument.  ``aligned``: a CUDA tensor must
-    start on a 16-byte boundary (the kernels' vector accesses); ``False`` for inputs a kernel reads
-    without that assumption (e.g. a column slice of gamma at an uneven shard boundary)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name} must have one of dtypes {list(dtypes)}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        for i, (got, want) in enumerate(zip(t.shape, shape)):
-            if want is not None and got != want:
-                raise ValueError(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
-                                 f"got {tuple(t.shape)} (dim {i})")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
-    if aligned and t.device.type == "cuda" and t.numel() and t.data_ptr() % 16 != 0:
-        raise ValueError(f"{name} must be 16-byte aligned (got a view at offset {t.data_ptr() % 16})")
-    return t
-
-
-def check_indices(idx: torch.Tensor, rows: int, name: str = "expanded_idx") -> None:
-    """``idx`` must lie in ``[-1, rows)`` (-1 skips a slot): ValueError otherwise, before anything
-    is written.  Checked where it costs no device sync: always for CPU tensors; for CUDA tensors
-    only with ``K3TAIL_CHECK_INDICES=1`` and outside graph capture (a debug mode: it syncs)."""
-    if idx.numel() == 0:
-        return
-    if idx.device.type == "cuda" and (os.environ.get("K3TAIL_CHECK_INDICES", "0") in ("", "0")
-                                      or torch.cuda.is_current_stream_capturing()):
-        return
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < -1 or hi >= rows:
-        raise ValueError(f"{name} holds indices in [{lo}, {hi}] but expert_out has {rows} rows "
-                         f"(valid: -1 to skip a slot, else 0..{rows - 1})")
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+        raise PeerTimeout(op, ws.rank, ws.world_size, timeout_s, detail or f"group {ws.group_name}")

@@ -15,10 +15,10 @@ from k3tail.runtime.sentinel import arm_region
 from k3tail.runtime.comm import Comm
 from k3tail.errors import K3TailError
 
-__all__ = ["LoopbackWorld", "LoopbackGroup"]
+__all__ = ["LoopbackGroup", "LoopbackWorld", "group_identity", "rank_streams"]
 
 
-def _rank_streams(device: torch.device, n: int) -> list:
+def rank_streams(device: torch.device, n: int) -> list:
     """``n`` pooled streams that are neither the current stream nor torch.cuda.graph's default
     capture stream (created here if torch has not made it yet, as torch would): the pool hands
     out 32 streams per priority in turn, so after 32 a new stream can be an old one, and a rank
@@ -66,7 +66,7 @@ class LoopbackWorld:
         if dev.type != "cuda":
             raise ValueError(f"device must be a CUDA device for a LoopbackWorld, got {dev}")
         self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.streams = _rank_streams(self.device, world_size)
+        self.streams = rank_streams(self.device, world_size)
         self._lock = threading.Lock()
         self._regions: dict = {}
         self._barrier = threading.Barrier(world_size)

@@ -32,7 +32,6 @@ op therefore owns its workspaces.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import uuid
@@ -41,21 +40,13 @@ from typing import Optional
 
 import torch
 
+from k3tail.errors import K3TailError, WorkspacePoisoned
+from k3tail.runtime.comm import Comm, DistComm, comm_for
+from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.sentinel import arm_region
-from k3tail.runtime.comm import Comm, DistComm, comm_for
-from k3tail.errors import K3TailError, WorkspacePoisoned
-from k3tail.runtime.loopback import LoopbackGroup, LoopbackWorld, _rank_streams
+from k3tail.triton_kernels.lamport import CTRL_WORDS
 
-# Re-exported: these names were defined here before the split (comm.py, loopback.py,
-# _sentinel.py, _runtime.py); ``from k3tail.runtime.workspace import X`` keeps working for each.
-__all__ = ["CTRL_WORDS", "SHM_PREFIX_ENV", "Comm", "DistComm", "LoopbackGroup", "LoopbackWorld",
-           "Workspace", "arm_region", "comm_for", "create_workspace", "interpret_mode",
-           "resolve_device", "_rank_streams"]
-
-log = logging.getLogger("k3tail")
-
-CTRL_WORDS = 16
 _ALIGN = 4096
 SHM_PREFIX_ENV = "K3TAIL_SHM_PREFIX"
 
@@ -155,6 +146,16 @@ def _new_ctrl(device: torch.device):
     if device.type == "cuda":
         host_flag = host_flag.pin_memory()
     return ctrl, host_flag
+
+
+def local_workspace(nbytes: int, device: torch.device, arm32=()) -> Workspace:
+    """A world of one: a plain local region (no peers, no rendezvous), the same layout and kernels."""
+    region = torch.empty(_round_up(max(int(nbytes), 2)), dtype=torch.uint8, device=device)
+    arm_region(region, tuple((int(o), int(n)) for o, n in arm32))
+    table = torch.tensor([region.data_ptr()], dtype=torch.int64, device=device)
+    ctrl, host_flag = _new_ctrl(device)
+    return Workspace("local", 0, 1, device, region.numel(), table, region, ctrl, host_flag, 0, "local",
+                     _keep=[region])
 
 
 def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = None,

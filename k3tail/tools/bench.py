@@ -69,7 +69,7 @@ def parse_ints(text: str) -> List[int]:
 
 
 def make_config(args, max_tokens: int, W: int):
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
 
     shard = args.hidden % (8 * W) == 0
     return TailConfig(hidden=args.hidden, latent=args.latent, top_k=args.top_k, dtype=DTYPES[args.dtype],

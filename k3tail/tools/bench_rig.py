@@ -88,7 +88,7 @@ def tier_ranges(caps, cfg) -> Dict[str, tuple]:
     FUSED_LANE_AR: with the lane collective (``fused_ar``), or with the sharded large-M path
     alone (``large_m``: a forced FUSED_LANE_AR runs it at every M above the lane, here all)."""
     out = {"SEPARATE_REDUCE": (1, cfg.max_tokens)}
-    if caps.fused_ar or getattr(caps, "large_m", False):
+    if caps.fused_ar or getattr(caps, "solo", False) or caps.large_m == "sharded":
         out["FUSED_LANE_AR"] = (1, cfg.max_tokens)
     if caps.tail_fusion_max_tokens > 0:
         # the capacity the tail was built for (a tuned threshold may have lowered the caps)
@@ -117,7 +117,7 @@ class _Rig:
             self.mods = [K3MoETail(cfg, None, prefix=prefix, **kw)]
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
-            from k3tail.runtime.workspace import LoopbackWorld
+            from k3tail.runtime.loopback import LoopbackWorld
 
             self.world = world if world is not None else LoopbackWorld(W)
             self.ranks = list(range(W))
@@ -260,7 +260,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
         shs = [inputs[k]["shared"][:, cols[k]].float().contiguous() for k in range(len(rig.ranks))]
 
         def proj(i, tactics=None):
-            return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix=pre[k],
+            return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix_hidden=pre[k],
                                              shared_sum=shs[k], out_dtype=cfg.dtype, tactics=tactics))
 
         def proj_te(i):  # the large-M path with the four-pass torch epilogue (same bits, the old default)

@@ -64,7 +64,7 @@ def _run_tiers(mod, call):
 
     res = {}
     for tier in Tier:
-        if mod.possible(tier, call.M) is None:
+        if mod.why_not(tier, call.M) is None:
             t0 = time.perf_counter()
             out = call(tier)
             res[tier.name] = (out, time.perf_counter() - t0)
@@ -74,7 +74,8 @@ def _run_tiers(mod, call):
 def _rank_main(rank, W, shape, tokens, seed, device="cpu"):
     """Body of one rank process (CPU: interpreter; cuda: this process's GPU): every possible
     tier at every M, plus the selector's choices."""
-    from k3tail.module import K3MoETail, TailConfig
+    from k3tail.config import TailConfig
+    from k3tail.module import K3MoETail
 
     from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
@@ -111,8 +112,9 @@ def _fused_op(op, ins):
 
 
 def _cuda_main(W, shape, tokens, seed):
-    from k3tail.module import K3MoETail, TailConfig
-    from k3tail.runtime.workspace import LoopbackWorld
+    from k3tail.config import TailConfig
+    from k3tail.module import K3MoETail
+    from k3tail.runtime.loopback import LoopbackWorld
 
     from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
@@ -196,9 +198,9 @@ def main(args) -> int:
                                           expanded_idx=ins["expanded_idx"]))
             shared.append(ins["shared"])
         prefix, gamma, up, _, _ = tail_inputs(M=M, W=W, rank=0, form="triple", seed=args.seed, **shape)
-        r64 = ref.tail(prefix=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up, eps=1e-5)
+        r64 = ref.tail(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up, eps=1e-5)
         slack, _ = ref.tail_tie_slack(partials=parts, norm_weight=gamma, up_weight=up, eps=1e-5)
-        floor = ref.tail_noise_floor(prefix=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up,
+        floor = ref.tail_noise_floor(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up,
                                      eps=1e-5)
         n64 = ref.finalize_allreduce_rmsnorm(parts, gamma, 1e-5)[0]
         sep = results.get("SEPARATE_REDUCE", (None,))[0]

@@ -29,9 +29,11 @@ def add_arguments(parser):
 def report(*, hidden=7168, latent=3584, top_k=16, dtype=torch.bfloat16, world_size=1,
            lane_max_tokens=None) -> str:
     """The doctor's text (also used by tests)."""
-    from k3tail.module import DEFAULT_LANE_MAX_TOKENS, TailConfig, _tail_capacity
-    from k3tail.vote import SoloComm, caps_from, local_probes
-    from k3tail.runtime.workspace import interpret_mode
+    from k3tail.config import DEFAULT_LANE_MAX_TOKENS, TailConfig
+    from k3tail.runtime.comm import SoloComm
+    from k3tail.runtime.modes import interpret_mode
+    from k3tail.tiers import decide
+    from k3tail.vote import local_probes
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -42,11 +44,11 @@ def report(*, hidden=7168, latent=3584, top_k=16, dtype=torch.bfloat16, world_si
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not interpret_mode() \
         else torch.device("cpu")
     lane = DEFAULT_LANE_MAX_TOKENS if lane_max_tokens is None else lane_max_tokens
-    probes = local_probes(cfg, comm, device, lane_max_tokens=lane, tail_max_tokens=_tail_capacity(cfg),
-                          run_p2p=world_size == 1)
+    probes = local_probes(cfg, comm, device, lane_max_tokens=lane, run_p2p=world_size == 1)
     if world_size > 1:
         probes.why["p2p"] = "assumed: functional P2P is probed by the ranks of a real group at construction"
-    caps, why_not = caps_from(probes.values)
+    d = decide(probes.values, world_size=world_size)  # the module's own decision, from the same function
+    caps, why_not = d.caps, d.why_not
     import triton
 
     lines = [f"k3tail doctor: torch {torch.__version__}, triton {triton.__version__}, device {device}"
@@ -67,7 +69,11 @@ def report(*, hidden=7168, latent=3584, top_k=16, dtype=torch.bfloat16, world_si
             extra = {Tier.TAIL_FUSION: f"graph phase, 1 <= M <= {caps.tail_fusion_max_tokens}",
                      Tier.CUTE_FINALIZE: f"graph phase, 1 <= M <= {caps.cute_max_tokens} (UNVERIFIED kernels)",
                      Tier.MULTIMEM_AR: f"{caps.multimem_min_tokens} <= M <= {caps.multimem_max_tokens}",
-                     Tier.FUSED_LANE_AR: f"lane collective up to M = {caps.lane_max_tokens}, grouped all-reduce above",
+                     Tier.FUSED_LANE_AR: (
+                         "one local launch at every M (a world of one)" if caps.solo else
+                         f"the Lamport lane up to M = {caps.lane_max_tokens}, the {caps.large_m} large-M path above"
+                         if caps.fused_ar else f"the {caps.large_m} large-M path from M = {caps.large_m_min_tokens} "
+                         f"(the Lamport lane is off: {d.lane_why_not})"),
                      Tier.SEPARATE_REDUCE: "always (the reference path)"}[t]
             lines.append(f"  {t.name:16s} possible ({extra})")
     return "\n".join(lines)

@@ -93,7 +93,7 @@ def main(args) -> int:
         print(B.GPU_ONLY_MSG.format(cmd="tune"), file=sys.stderr)
         return 2
     from k3tail.testing import no_multicast
-    from k3tail.runtime.workspace import LoopbackWorld
+    from k3tail.runtime.loopback import LoopbackWorld
 
     no_multicast()
     kernels = [] if args.kernels in (["none"], []) else list(args.kernels)
@@ -112,7 +112,7 @@ def main(args) -> int:
     fields = T.device_fields()
     meta = B.results_meta(loopback=True)
     cfg_kwargs = dict(hidden=args.hidden, latent=args.latent, top_k=args.top_k, dtype=B.DTYPES[args.dtype])
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
 
     cfg = TailConfig(**cfg_kwargs)
     xms = args.crossover_m or ([1, 2, 4, 8, 16, 32, 64, 128, 256] + ([512, 1024] if args.full else []))

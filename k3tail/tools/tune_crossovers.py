@@ -150,7 +150,7 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
     sharded rig (where ``K3MoETail`` takes ``large_m``), and derive the selector thresholds.
     ``tactics_table``: the kernels' tactics to time the tiers with (the ones just tuned); its
     crossover entries are ignored, so that earlier thresholds cannot hide a tier."""
-    from k3tail.module import TailConfig
+    from k3tail.config import TailConfig
 
     W = world.world_size
     head = f"[tune W={W} crossovers]"
@@ -161,7 +161,7 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
     timing = dict(phases=["graph"], deferred=True, budget_s=budget_s, max_calls=8, seed=seed, baselines=False)
     rig = B._Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}", world=world,
                  module_kwargs={"lane_max_tokens": max(ms), **common})
-    caps_alloc = dict(B._caps_dict(getattr(rig.mods[0], "_alloc_caps", rig.caps)))
+    caps_alloc = dict(B._caps_dict(rig.mods[0].decision.alloc if hasattr(rig.mods[0], "decision") else rig.caps))
     say(f"{head} caps {caps_alloc}; timing tiers at M={list(ms)}")
     res = B.bench_world(rig, ms, tiers=None, progress=lambda s: say(f"{head}{s[1:]}"), **timing)
     _release(rig)
@@ -176,7 +176,7 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
         try:
             srig = B._Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}.sharded", world=world,
                           module_kwargs={"lane_max_tokens": 0, "large_m": "sharded", **common})
-            sharded_caps = dict(B._caps_dict(getattr(srig.mods[0], "_alloc_caps", srig.caps)))
+            sharded_caps = dict(B._caps_dict(srig.mods[0].decision.alloc if hasattr(srig.mods[0], "decision") else srig.caps))
             kind = getattr(srig.mods[0], "large_m", None)
             if kind != "sharded" or int(sharded_caps.get("lane_max_tokens") or 0) != 0:
                 raise ValueError(f"the sharded rig came up with large_m={kind!r}, lane_max_tokens="

@@ -87,7 +87,7 @@ class LatentTailSpec(Spec):
         ws = _weights(world, cfg, 8, seed)
 
         def step(i):
-            return world.run(lambda r: ops[r](prefix=ins[r]["prefix_hidden"], shared=ins[r]["shared"],
+            return world.run(lambda r: ops[r](prefix_hidden=ins[r]["prefix_hidden"], shared=ins[r]["shared"],
                                               norm_weight=ws[r][0], up_weight=ws[r][1][i % 8],
                                               expert_out=ins[r]["expert_out"],
                                               expert_weights=ins[r]["expert_weights"],
@@ -195,9 +195,9 @@ class ProjectSpec(Spec):
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         t = dict(tactic or {})
         # project() validates its tactics at call time: reject bad ones here, before timing
-        from k3tail.ops.projection import _TACTIC_KEYS
+        from k3tail.ops.projection import TACTIC_KEYS
 
-        unknown = set(t) - _TACTIC_KEYS
+        unknown = set(t) - TACTIC_KEYS
         if unknown:
             raise ValueError(f"tactics has unknown keys {sorted(unknown)}")
         for k in ("block_n", "block_k"):
@@ -221,7 +221,7 @@ class ProjectSpec(Spec):
         pre = [ins[r]["prefix_hidden"][:, cols[r]].contiguous() for r in range(W)]
 
         def step(i):
-            return world.run(lambda r: ops[r](normed[r], ws[r][1][i % 8], prefix=pre[r], shared_sum=shsum[r],
+            return world.run(lambda r: ops[r](normed[r], ws[r][1][i % 8], prefix_hidden=pre[r], shared_sum=shsum[r],
                                               out_dtype=cfg.dtype))
         return step
 
