@@ -1,38 +1,63 @@
 #!/usr/bin/env bash
-# The whole GPU check in one device call: install offline, then the phases named on the
-# command line (default: tests).  Phases: tests, bench, prefill, tiermap, tune, cli.  Logs and results go to $OUT.
-#   bash bench/gpu_check.sh tests
-#   bash bench/gpu_check.sh bench cli
+# The whole GPU check in one device call: install offline, then the phases named on the command line
+# (default: tests).  Logs and results go to $OUT.
+#
+#   bash bench/gpu_check.sh tests            # every GPU test (phases t1 t2 t3 below, in order)
+#   bash bench/gpu_check.sh t1 prefill       # named phases: t1 t2 t3 (the GPU tests in three parts),
+#                                            # prefill, bench, tiermap, tune, cli
 #   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
 #   commit being measured, or the result files record the wrong one)
+#
+# Triton's compile cache travels between calls: a call restores .tcache/triton-cache.tgz when present
+# (name .tcache in the device call's carry) and writes the updated cache to $OUT/triton-cache.tgz (copy it
+# to .tcache/ for the next call).  Compiling is most of a cold GPU test run.
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -n "${K3TAIL_COMMIT:-}" ] && export K3TAIL_COMMIT || echo "note: K3TAIL_COMMIT unset; results record the copy's git HEAD"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .tcache/triton-cache.tgz ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar xzf .tcache/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
+fi
 bash bench/gpu_smoke.sh
+T0=$(date +%s)
+
+run_tests() {  # run_tests NAME FILES...: the GPU tests of FILES, log to $OUT/gpu_NAME.log
+  local name=$1; shift
+  local t=$(date +%s)
+  timeout ${TEST_TIMEOUT:-500} python3 -m pytest "$@" -m gpu -q -rfE -p no:cacheprovider -o timeout=200 \
+    --durations=10 2>&1 | tee "$OUT/gpu_$name.log" | grep -E "passed|failed|FAILED|ERROR|Error|Timeout|s call"
+  echo "phase $name took $(( $(date +%s) - t )) s"
+}
+
+# The GPU tests in three phases (each well inside one call's 600 s; `tests` runs all three).
+T1="tests/test_launch.py tests/test_warmup.py tests/test_module.py tests/test_numerics.py tests/test_projection.py tests/test_finalize.py"
+T2="tests/test_tail.py tests/test_allreduce.py tests/test_large_m.py tests/test_prefill.py tests/test_exchange.py"
+T3="tests/test_process_path.py tests/test_faults.py tests/test_spawn.py tests/test_device.py tests/test_cli.py"
 phases=${*:-tests}
 for phase in $phases; do
   case $phase in
-    tests)
-      timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests} -m gpu -q -rfE -p no:cacheprovider \
-        -o timeout=150 --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|Timeout|[0-9.]+ ulp|us |s call" ;;
+    tests) run_tests t1 $T1; run_tests t2 $T2; run_tests t3 $T3 ;;
+    t1) run_tests t1 ${TESTS:-$T1} ;;
+    t2) run_tests t2 $T2 ;;
+    t3) run_tests t3 $T3 ;;
+    only) run_tests only $TESTS ;;
     bench)
       for b in ${BENCHES:-bench_allreduce bench_finalize bench_tail}; do
         echo "== $b"; timeout ${BENCH_TIMEOUT:-200} python3 bench/$b.py --out bench/results 2>&1 | tee -a "$OUT/bench.log" | tail -25
       done ;;
     prefill)
-      # issue 14's targets: Triton finalize, K3MoETail W=1, eager host time, loopback sharded vs allreduce
-      echo "== bench_prefill"; timeout ${PREFILL_TIMEOUT:-300} python3 bench/bench_prefill.py --out bench/results ${PREFILL_ARGS:-} 2>&1 | tee -a "$OUT/prefill.log" | tail -30 ;;
+      echo "== bench_prefill"; timeout ${PREFILL_TIMEOUT:-300} python3 bench/bench_prefill.py --out bench/results ${PREFILL_ARGS:-} 2>&1 | tee -a "$OUT/prefill.log" | grep -v "^ *$" | tail -40 ;;
     tiermap)
-      # the tier map alone (default M grid 1..8192, W = 2, 4, 8), with the shipped tactic table
       echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench ${TIERMAP_ARGS:-} 2>&1 | tee -a "$OUT/cli.log" | grep -v "tactic table" | tail -40 ;;
     tune)
-      # the tactic table (k3tail/tables/tactics.json) and the sweep report (bench/results/tune_*)
       echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/cli.log" | tail -30 ;;
     cli)
-      # tune first: the bench then runs with the tactics and crossovers it wrote
       echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20
       echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench 2>&1 | tee -a "$OUT/cli.log" | tail -30 ;;
+    *) echo "unknown phase $phase" ;;
   esac
 done
+echo "all phases took $(( $(date +%s) - T0 )) s"
 tar czf "$OUT/results.tgz" bench/results k3tail/tables 2>/dev/null
+[ -d "$TRITON_CACHE_DIR" ] && tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && ls -la "$OUT/triton-cache.tgz"
 ls -la bench/results | tail -20

@@ -122,3 +122,81 @@ def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
         setattr(self, "device", dev), setattr(self, "cuda_stream", next(pool2) if handle is None else handle)) and None)
     with pytest.raises(K3TailError, match="too few distinct streams"):
         rank_streams(dev, 3)
+
+
+# ------------------------------------------------------------------ the direct launcher
+def _native_spec():
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        pytest.skip("this Triton has no native_specialize_impl")
+    return lambda arg, spec: native_specialize_impl(BaseBackend, arg, False, spec, True)
+
+
+def test_spec_key_mirrors_tritons_specialization():
+    """``spec_key`` must split arguments exactly where Triton compiles a new variant: two arguments
+    get the same key if and only if Triton's own specialization of them is the same (else a launch
+    would run a variant compiled for another alignment or integer class)."""
+    native = _native_spec()
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    args = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, 2 ** 40, 2 ** 63, 2 ** 63 + 16,
+            -(2 ** 31), -(2 ** 31) - 1, True, False, 1.5, 0.0, None,
+            buf, buf[1:], buf[8:], buf.float(), buf.float()[1:], buf.float()[4:], buf.to(torch.int32)]
+    for spec in (True, False):
+        for a in args:
+            for b in args:
+                same_native = native(a, spec) == native(b, spec) and type(a) is type(b)
+                same_ours = L.spec_key(a, spec) == L.spec_key(b, spec) and type(a) is type(b)
+                assert same_native == same_ours, (a if not isinstance(a, torch.Tensor) else (a.dtype, a.data_ptr() % 16),
+                                                  b if not isinstance(b, torch.Tensor) else (b.dtype, b.data_ptr() % 16),
+                                                  spec, native(a, spec), native(b, spec))
+
+
+def test_variant_fills_constexprs_in_declared_order(monkeypatch):
+    """A Variant passes the runtime arguments then the constexprs in the kernel's declared order (what
+    ``CompiledKernel.run`` takes), and refuses a launch that leaves a constexpr without a value."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, n, A: tl.constexpr, B: tl.constexpr = 3):
+        pass
+
+    kern = L.Kernel(k)
+    v = kern.variant(A=7)
+    assert v._tail_for(2) == (7, 3)
+    with pytest.raises(ValueError, match="no value"):
+        kern.variant()._tail_for(2)
+    assert kern.variant(A=7) is v  # one Variant per set of compile-time values
+
+
+@pytest.mark.gpu
+def test_variant_launch_equals_tritons_launch():
+    """On the GPU a Variant launches the compiled kernel directly: the same results as Triton's own
+    launch, a new variant where the specialization changes (a misaligned view), warm-only compiles."""
+    import triton
+    import triton.language as tl
+
+    from k3tail.runtime.modes import warm_only
+
+    @triton.jit
+    def axpy(x_ptr, y_ptr, out_ptr, n, a, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out_ptr + offs, a * tl.load(x_ptr + offs, mask=m) + tl.load(y_ptr + offs, mask=m), mask=m)
+
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(1000, device="cuda")
+    v = L.kernel(axpy).variant(BLOCK=256)
+    for xs, ys, n in ((x, y, 1000), (x[1:], y[1:], 999), (x[16:], y[:984], 984), (x, y, 1)):
+        ours = torch.full_like(xs, float("nan"))
+        ref = torch.full_like(xs, float("nan"))
+        with warm_only():
+            v((triton.cdiv(n, 256),), xs, ys, ours, n, 2.5)
+        assert torch.isnan(ours).all()  # compiled and loaded, not launched
+        v((triton.cdiv(n, 256),), xs, ys, ours, n, 2.5)
+        axpy[(triton.cdiv(n, 256),)](xs, ys, ref, n, 2.5, BLOCK=256)
+        torch.cuda.synchronize()
+        assert torch.equal(ours[:n], ref[:n]), n
+    assert len(v._compiled) >= 3  # aligned, misaligned, n == 1 (specialized) are different variants

@@ -34,6 +34,7 @@ spinning kernels, the interpreter's clock page) and the check after an interpret
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from typing import Callable, Dict, Optional, Sequence
@@ -65,7 +66,7 @@ def next_pow2(n: int) -> int:
 def spec_key(arg, specialize: bool):
     """What Triton 3.6-3.9 specialize a kernel on for one runtime argument (see the module docstring)."""
     if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
+        return (arg.dtype, specialize and arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool) or arg is None or isinstance(arg, float):
         return type(arg)
     if isinstance(arg, int):
@@ -145,7 +146,8 @@ class Kernel:
         self.arg_names = list(fn.arg_names)
         params = getattr(fn, "params", None)
         self.dns = frozenset(p.num for p in params if p.do_not_specialize) if params is not None else frozenset()
-        self.defaults = {p.name: p.default for p in params if p.has_default} if params is not None else {}
+        sig = inspect.signature(getattr(fn, "fn", fn))
+        self.defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
         self._variants: Dict[tuple, Variant] = {}
         self._lock = threading.Lock()
         self._stream_fn = None
