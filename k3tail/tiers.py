@@ -303,7 +303,7 @@ class TierContext:
     bounds_latent: list
     bounds_hidden: list
     coll: object
-    project: Callable
+    project: object  # a k3tail.ops.projection.Projector
     tail: object = None
     lane: object = None
     solo: object = None
@@ -334,10 +334,11 @@ def _rmsnorm(ctx: TierContext, s: torch.Tensor, norm_weight: torch.Tensor) -> to
 def _finish(ctx: TierContext, normed, shared_sum, x: TailInputs) -> torch.Tensor:
     """``prefix + normed @ W_up^T + shared_sum``, rounded once (own columns + gather, or full)."""
     c, prefix = ctx.config, x.prefix_hidden
-    if not c.shard_up_proj:
-        return ctx.project(normed, x.up_weight, prefix_hidden=prefix, shared_sum=shared_sum, out_dtype=c.dtype)
+    if not c.shard_up_proj or ctx.world_size == 1:
+        return ctx.project.run(normed, x.up_weight, prefix_hidden=prefix, shared_sum=shared_sum, out_dtype=c.dtype)
     cols = ctx.own_cols
-    y = ctx.project(normed, x.up_weight, prefix_hidden=prefix[:, cols], shared_sum=shared_sum[:, cols], out_dtype=c.dtype)
+    y = ctx.project.run(normed, x.up_weight, prefix_hidden=prefix[:, cols], shared_sum=shared_sum[:, cols],
+                        out_dtype=c.dtype)
     return ctx.coll.all_gather_cols(y, ctx.bounds_hidden)
 
 
@@ -365,14 +366,14 @@ def run_separate(ctx: TierContext, x: TailInputs) -> torch.Tensor:
 
 def run_lane(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     """The Lamport lane collective (finalize + all-reduce + RMSNorm in one launch), projection."""
-    normed, shared_sum = ctx.lane(norm_weight=x.norm_weight, shared=x.shared, **x.routed_kwargs())
+    normed, shared_sum = ctx.lane.run(norm_weight=x.norm_weight, shared=x.shared, **x.routed_kwargs())
     return _finish(ctx, normed, shared_sum, x)
 
 
 def run_solo(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     """A world of one: the fused finalize + RMSNorm (one launch, any M), then the projection with the
     shared partial as it is (its sum over one rank is exact: no fp32 copy)."""
-    normed = ctx.solo(norm_weight=x.norm_weight, **x.routed_kwargs())
+    normed = ctx.solo.run(norm_weight=x.norm_weight, **x.routed_kwargs())
     return _finish(ctx, normed, x.shared, x)
 
 
@@ -414,8 +415,8 @@ def run_sharded(ctx: TierContext, x: TailInputs) -> torch.Tensor:
 
 
 def run_tail(ctx: TierContext, x: TailInputs) -> torch.Tensor:
-    return ctx.tail(prefix_hidden=x.prefix_hidden, shared=x.shared, norm_weight=x.norm_weight,
-                    up_weight=ctx.own_rows(x.up_weight), **x.routed_kwargs())
+    return ctx.tail.run(prefix_hidden=x.prefix_hidden, shared=x.shared, norm_weight=x.norm_weight,
+                        up_weight=ctx.own_rows(x.up_weight), **x.routed_kwargs())
 
 
 def run_multimem(ctx: TierContext, x: TailInputs) -> torch.Tensor:

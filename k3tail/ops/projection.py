@@ -114,14 +114,24 @@ class Projector:
             _check_2d("prefix_hidden", prefix_hidden, shape=(M, N), dtypes=ACT_DTYPES, device=dev)
         if shared_sum is not None:
             _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=_SHARED_DTYPES, device=dev)
-        triton_max_m, bn, bk, warps, epilogue = self._resolved(N)
         out_dtype = normed.dtype if out_dtype is None else out_dtype
         if out_dtype not in _OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
-        if out is None:
-            out = torch.empty(M, N, dtype=out_dtype, device=dev)
-        else:
+        if out is not None:
             _check_2d("out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
+        return self.run(normed, up_weight, prefix_hidden=prefix_hidden, shared_sum=shared_sum, out_dtype=out_dtype,
+                        out=out)
+
+    def run(self, normed: torch.Tensor, up_weight: torch.Tensor, *, prefix_hidden: Optional[torch.Tensor] = None,
+            shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``__call__`` without the input checks (the caller validated them)."""
+        M, K = normed.shape
+        N = up_weight.shape[0]
+        dev = normed.device
+        triton_max_m, bn, bk, warps, epilogue = self._resolved(N)
+        if out is None:
+            out = torch.empty(M, N, dtype=normed.dtype if out_dtype is None else out_dtype, device=dev)
         if M == 0 or N == 0:
             return out
         if K == 0:

@@ -354,8 +354,15 @@ class LatentTail:
                  up_weight: torch.Tensor, routed: Optional[torch.Tensor] = None,
                  expert_out: Optional[torch.Tensor] = None, expert_weights: Optional[torch.Tensor] = None,
                  expanded_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        deferred = self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out,
-                                  expert_weights, expanded_idx)
+        self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
+                       expanded_idx)
+        return self.run(prefix_hidden=prefix_hidden, shared=shared, norm_weight=norm_weight, up_weight=up_weight,
+                        routed=routed, expert_out=expert_out, expert_weights=expert_weights, expanded_idx=expanded_idx)
+
+    def run(self, *, prefix_hidden, shared, norm_weight, up_weight, routed=None, expert_out=None, expert_weights=None,
+            expanded_idx=None) -> torch.Tensor:
+        """``__call__`` without the input checks (the caller validated them: K3MoETail does, once)."""
+        deferred = routed is None
         prefix = prefix_hidden
         M = prefix.shape[0]
         out = torch.empty(M, self.hidden, dtype=self.dtype, device=self.device)

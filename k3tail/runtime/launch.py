@@ -77,12 +77,15 @@ def spec_key(arg, specialize: bool):
     return type(arg)
 
 
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - Triton < 3.4 is outside the supported range
+    _knobs = None
+
+
 def _hooks_installed() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - Triton < 3.4 is outside the supported range
-        return False
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    rt = _knobs.runtime if _knobs is not None else None
+    return rt is not None and (rt.launch_enter_hook is not None or rt.launch_exit_hook is not None)
 
 
 class Variant:
@@ -112,7 +115,19 @@ class Variant:
         if len(args) != self._nargs:
             self._tail, self._nargs = self._tail_for(len(args)), len(args)
         dns = k.dns
-        sig = tuple(spec_key(a, i not in dns) for i, a in enumerate(args))
+        sig = []
+        argv = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                p = a.data_ptr()
+                sig.append((a.dtype, i not in dns and p % 16 == 0))
+                # A device address as an int: Triton's launcher then skips its per-pointer driver query
+                # (cuPointerGetAttribute); host tensors (pinned flags) keep Triton's own translation.
+                argv.append(p if a.is_cuda else a)
+            else:
+                sig.append(spec_key(a, i not in dns))
+                argv.append(a)
+        sig = tuple(sig)
         c = self._compiled.get(sig)
         if c is None:
             c = self._compile(sig, grid, args)
@@ -124,7 +139,7 @@ class Variant:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = k.current_stream(k.current_device())
-        c.run(g0, g1, g2, stream, c.function, c.packed_metadata, None, None, None, *args, *self._tail)
+        c.run(g0, g1, g2, stream, c.function, c.packed_metadata, None, None, None, *argv, *self._tail)
         return None
 
     def _compile(self, sig, grid, args):

@@ -14,7 +14,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from k3tail.tools import bench as B
 from k3tail.tools import timing as BT
 from k3tail.tools.tune_specs import Spec
 
