@@ -311,6 +311,63 @@ def test_candidates_compile_for_sm90(half):
         assert (res[small]["wgmma"] or res[small]["mma_sync"]) and res[small]["tma"], res[small]
 
 
+_B_COMPILER = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
+from k3tail.triton_kernels.tail_fusion_b import tail_b_kernel as kern
+H, Lt, W, BM, BN = 7168, 3584, 8, 16, 16
+S = H // W
+normed = torch.empty(BM, Lt, dtype=torch.bfloat16)
+w = torch.empty(S, Lt, dtype=torch.bfloat16)
+rs32 = torch.empty(BM, S, dtype=torch.float32)
+prefix = torch.empty(BM, H, dtype=torch.bfloat16)
+table = torch.empty(W, dtype=torch.int64)
+mc = torch.empty(1, dtype=torch.int64)
+ctrl = torch.empty(16, dtype=torch.int32)
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+binder = create_function_from_signature(kern.signature, kern.params, backend)
+res = {}
+for tma, swap, multicast in json.loads(sys.argv[1]):
+    nd = TensorDescriptor(normed, [5, Lt], [Lt, 1], [BM, 64]) if tma else None
+    wd = TensorDescriptor(w, [S, Lt], [Lt, 1], [BN, 64]) if tma else None
+    kw = dict(HIDDEN=H, LATENT=Lt, SHARD=S, W=W, MB_BYTES=1 << 20, PAD_BYTES=1 << 21, BLOCK_M_=BM, BLOCK_N=BN,
+              SWAP_AB=swap, USE_TMA=tma, MULTICAST=multicast, USE_PDL=True, num_warps=4, num_stages=32,
+              launch_pdl=True)
+    bound, spec, opts = binder(normed, w, rs32, prefix, nd, wd, table, mc, ctrl, 3, 5, **kw)
+    options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, opts)
+    k = triton.compile(ASTSource(kern, signature, constexprs, attrs), target=target, options=options.__dict__)
+    ptx = k.asm["ptx"]
+    res[f"{tma}/{swap}/{multicast}"] = dict(
+        mma="mma.sync" in ptx or "wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+        cp_async="cp.async.cg" in ptx or "cp.async.ca" in ptx, gdc="griddepcontrol.wait" in ptx,
+        multimem="multimem.st" in ptx, shared=k.metadata.shared)
+print("RESULT" + json.dumps(res))
+"""
+
+
+def test_tail_b_compiles_for_sm90():
+    """TAIL_FUSION's kernel B on the family's K loop: every (TMA, swap) combination and the
+    multicast-store variant compile for sm_90 at the K3 W = 8 shard with PDL and 32 stages (the
+    decode default); tensor-core MMAs, TMA bulk copies or cp.async pipelining, ``gdc_wait``."""
+    combos = [[tma, swap, False] for tma in (True, False) for swap in (True, False)] + [[True, True, True]]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", _B_COMPILER, json.dumps(combos)], capture_output=True, text=True,
+                       env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.split("RESULT", 1)[1])
+    for (tma, swap, mc), v in zip(combos, res.values()):
+        print(tma, swap, mc, v)
+        assert v["mma"] and v["gdc"], v
+        assert v["tma"] if tma else v["cp_async"], v
+        assert v["multimem"] == mc, v
+
+
 def test_warp_spec_rejected_on_new_triton():
     """Triton >= 3.7's SM90 warp specialization fails on the host-descriptor boxes: the family
     says so (warp_spec_supported) instead of letting a table carry it there."""

@@ -290,18 +290,31 @@ def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
+def combine(acc, p, s, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
+    """The epilogue's arithmetic, in fp32 and in this order: ``(prefix + acc) + shared`` (the
+    operands already loaded, any dtype; the caller rounds once).  TAIL_FUSION's kernel B uses it
+    too, so every tier adds in the same order."""
+    if HAS_PREFIX:
+        acc = p.to(tl.float32) + acc
+    if HAS_SHSUM:
+        acc = acc + s.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mask,
                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
                 HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
-    """The epilogue contract: ``(prefix + acc) + shared`` in fp32, then one RNE rounding into
-    ``out`` (``acc`` fp32 ``[BM, BN]`` at rows ``rm64``, columns ``rn64``, both int64).  The same
-    operations in the same order as ``projection._finish_tile`` (today's bits)."""
+    """The epilogue contract: ``(prefix + acc) + shared`` in fp32 (:func:`combine`), then one RNE
+    rounding into ``out`` (``acc`` fp32 ``[BM, BN]`` at rows ``rm64``, columns ``rn64``, both
+    int64).  The same operations in the same order as ``projection._finish_tile`` (today's bits)."""
+    p = 0.0
+    s = 0.0
     if HAS_PREFIX:
         p = tl.load(prefix_ptr + rm64[:, None] * stride_pm + rn64[None, :] * stride_pn, mask=mask, other=0.0)
-        acc = p.to(tl.float32) + acc
     if HAS_SHSUM:
         s = tl.load(shsum_ptr + rm64[:, None] * stride_sm + rn64[None, :] * stride_sn, mask=mask, other=0.0)
-        acc = acc + s.to(tl.float32)
+    acc = combine(acc, p, s, HAS_PREFIX, HAS_SHSUM)
     tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :] * stride_on,
              round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
