@@ -2,11 +2,12 @@
 of the whole tail: triton_kernels/tail_fusion.py).
 
 * :func:`_default_tactics` / :func:`_check_tactics`: the tactic dict of a LatentTail (kernel A's
-  slices; kernel B's tiled ``tl.dot`` GEMM ``b_block_n``, ``b_block_k``, ``b_split_k``,
-  ``b_warps``, ``b_stages`` or its GEMV ``b_gemv_max_m``, ``b_gemv_rows``, ``b_gemv_warps``;
-  kernel C's ``c_block``, ``c_programs``), identical on every rank;
-* :func:`_launch_b`: kernel B, the GEMV variant for ``M <= b_gemv_max_m``, else the tiled GEMM
-  (same epilogue, same numerics);
+  slices; kernel B, the projection family's K loop (triton_kernels/gemm.py): ``b_block_n``,
+  ``b_swap_ab``, ``b_tma``, ``b_warps``, ``b_stages``; kernel C's ``c_block``, ``c_programs``),
+  identical on every rank.  (Issue 21, local adjustment on branch h21: ``b_block_k``,
+  ``b_split_k`` and the GEMV keys ``b_gemv_*`` are still validated, so tables and callers
+  that carry them keep working, but kernel B ignores them: no split-K, no GEMV any more.)
+* :func:`_launch_b`: kernel B (one program per ``b_block_n`` shard columns);
 * :func:`shard_gemm`: kernel B alone at world size 1 (benchmark and tests).
 
 Split out of ``k3tail/tail.py``, which re-exports every name.
@@ -20,7 +21,8 @@ import torch
 
 from . import _launch as L
 from .triton_kernels.tail_fusion import BLOCK_M
-from .triton_kernels.tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel
+from .triton_kernels.gemm import BLOCK_K, tma_ok
+from .triton_kernels.tail_fusion_b import tail_b_kernel
 from .workspace import CTRL_WORDS, interpret_mode
 
 __all__ = ["shard_gemm"]
@@ -41,24 +43,14 @@ def _default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) 
         return {"a_slices": 1, "b_block_n": max(16, min(256, p2(shard))),
                 "b_block_k": max(16, min(512, p2(latent))), "b_split_k": 1, "b_warps": 4,
                 "b_stages": 1, "b_gemv_max_m": 0, "b_gemv_rows": 8, "b_gemv_warps": 4,
+                "b_swap_ab": False, "b_tma": False,
                 "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
-    bn = 32 if shard >= 32 else 16
-    n_blocks = -(-shard // bn)
-    split, bk = 1, 128
-    for s in (16, 8, 4, 2, 1):
-        if n_blocks * s > sms + sms // 4:
-            continue
-        cand = [k for k in (256, 128, 64) if latent % (k * s) == 0]
-        if cand:
-            split, bk = s, cand[0]
-            break
-    # GEMV for M = 1 only by default: on the H200 (bench_tail.json, df25f34) it took 3.90 us vs
-    # 6.05 tiled at M = 1 (W = 8 shard), but lost at M = 4 (6.06 vs 5.2-5.8; 10.8 vs 7.5 at W = 4)
-    return {"a_slices": slices, "b_block_n": bn, "b_block_k": bk, "b_split_k": split, "b_warps": 4,
-            "b_stages": 4, "b_gemv_max_m": 1, "b_gemv_rows": 8, "b_gemv_warps": 8,
-            "c_block": 1024, "c_programs": 16}
+    # issue 21: B is the projection family's decode config (gemm.DEFAULTS[16]: swapped 16 x 16
+    # tiles, TMA, 32 stages); split-K and GEMV are gone (b_split_k / b_block_k / b_gemv_* ignored)
+    return {"a_slices": slices, "b_block_n": 16, "b_block_k": 64, "b_split_k": 1, "b_warps": 4,
+            "b_stages": 32, "b_gemv_max_m": 0, "b_gemv_rows": 8, "b_gemv_warps": 8,
+            "b_swap_ab": True, "b_tma": True, "c_block": 1024, "c_programs": 16}
 
 
 def _check_tactics(t: dict, latent: int) -> None:
@@ -73,6 +65,9 @@ def _check_tactics(t: dict, latent: int) -> None:
     for k in ("b_block_n", "b_block_k", "c_block"):
         if t[k] < 16 or t[k] & (t[k] - 1):
             raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
+    for k in ("b_swap_ab", "b_tma"):
+        if not isinstance(t.get(k), bool):
+            raise ValueError(f"tactics[{k!r}] must be a bool, got {t.get(k)!r}")
     g = t.get("b_gemv_max_m")
     if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g <= _MAX_GEMV_M:
         raise ValueError(f"tactics['b_gemv_max_m'] must be an int in 0..{_MAX_GEMV_M} (0 = no GEMV), got {g!r}")
@@ -86,31 +81,30 @@ def _check_tactics(t: dict, latent: int) -> None:
 
 
 def _b_constexprs(t: dict, *, hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool,
-                  use_pdl: bool) -> dict:
+                  use_pdl: bool, use_tma: bool = False) -> dict:
     return dict(HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
                 PAD_BYTES=lay["pad_off"], BLOCK_M_=BLOCK_M, BLOCK_N=t["b_block_n"],
-                BLOCK_K=t["b_block_k"], SPLIT_K=t["b_split_k"],
-                EVEN_K=latent % (t["b_block_k"] * t["b_split_k"]) == 0, EVEN_N=shard % t["b_block_n"] == 0,
-                MULTICAST=multicast, USE_PDL=use_pdl, num_stages=t["b_stages"])
+                SWAP_AB=t["b_swap_ab"], USE_TMA=use_tma, MULTICAST=multicast, USE_PDL=use_pdl,
+                num_stages=t["b_stages"])
 
 
 def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank: int, *,
               hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
-    """Kernel B: the GEMV variant for ``M <= b_gemv_max_m``, else the tiled GEMM."""
-    if M <= t["b_gemv_max_m"]:
-        rows = t["b_gemv_rows"]
-        L.launch(tail_b_gemv_kernel, (-(-shard // rows),),
-                 normed, up_weight, rs32, prefix, table, mc, ctrl, rank, M,
-                 HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
-                 PAD_BYTES=lay["pad_off"], ROWS=rows, K_P2=L.next_pow2(latent), M_P2=L.next_pow2(M),
-                 EVEN_N=shard % rows == 0, MULTICAST=multicast, USE_PDL=pdl,
-                 num_warps=t["b_gemv_warps"], pdl=pdl)
-        return
-    n_blocks = -(-shard // t["b_block_n"])
-    L.launch(tail_b_kernel, (n_blocks * t["b_split_k"],),
-             normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank, M,
+    """Kernel B: one program per ``b_block_n`` shard columns.  ``part`` and ``cnt`` (the
+    split-K scratch of the old kernel) are not used any more.  With ``b_tma`` (and TMA-able
+    operands: unit K stride, 16-byte aligned rows) ``normed[0:M]`` and the weight shard go
+    through host TMA descriptors, else through pointers: the same bits either way."""
+    use_tma = bool(t["b_tma"]) and tma_ok(normed, up_weight)
+    nd = wd = None
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        nd = TensorDescriptor(normed, [M, latent], [normed.stride(0), 1], [BLOCK_M, BLOCK_K.value])
+        wd = TensorDescriptor(up_weight, [shard, latent], [up_weight.stride(0), 1], [t["b_block_n"], BLOCK_K.value])
+    L.launch(tail_b_kernel, (-(-shard // t["b_block_n"]),),
+             normed, up_weight, rs32, prefix, nd, wd, table, mc, ctrl, rank, M,
              **_b_constexprs(t, hidden=hidden, latent=latent, shard=shard, W=W, lay=lay,
-                             multicast=multicast, use_pdl=pdl),
+                             multicast=multicast, use_pdl=pdl, use_tma=use_tma),
              num_warps=t["b_warps"], pdl=pdl)
 
 
@@ -121,7 +115,7 @@ _standalone: dict = {}
 def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                tactics: Optional[dict] = None) -> torch.Tensor:
     """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``
-    (its GEMV variant when ``M <= tactics["b_gemv_max_m"]``).
+    (issue 21: the projection family's K loop at every M; ``b_gemv_*`` / ``b_split_k`` are ignored).
 
     For the benchmark and tests: the "mailbox" is ``out`` itself, the shared shard and
     the prefix are zeros, so the result is the fp32-accumulated product rounded once.
