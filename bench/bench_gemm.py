@@ -142,6 +142,59 @@ def precompile(names, *, K: int, N: int, workers: int) -> dict:
     return failed
 
 
+_SMOKE = r"""
+import json, os, sys
+import k3tail
+import torch
+from k3tail.triton_kernels import gemm as G
+names, K, N, num_sms, dev = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.backends.cuda.matmul.allow_tf32 = False
+g = torch.Generator(device=dev).manual_seed(5)
+w = (torch.randn(N, K, generator=g, device=dev) * K ** -0.5).to(torch.bfloat16)
+for name in names:
+    if name == os.environ.get("K3TAIL_BENCH_SMOKE_CRASH"):  # tests: the restart after a crash
+        os._exit(3)
+    t = G.CANDIDATES[name][0]
+    worst = 0.0
+    for M in ((1, 300) if dev == "cuda" else (17,)):
+        a = torch.randn(M, K, generator=g, device=dev).to(torch.bfloat16)
+        out = torch.full((M, N), float("nan"), device=dev)
+        G.launch_gemm(t, a, w, out, num_sms=num_sms)
+        ref = a.float() @ w.float().t()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        err = float(((out - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
+        worst = max(worst, err)
+    print(("ok " if worst < 1e-3 else "wrong ") + name + f" {worst:.2e}", flush=True)
+"""
+
+
+def gpu_smoke(names, *, K: int, N: int, num_sms: int, dev: str = "cuda") -> dict:
+    """Launch every candidate once (M = 1 and 300) in a child process, so a config that faults
+    (an illegal address poisons a CUDA context) or computes garbage is dropped before the main
+    run; after a crash the child restarts with the configs that had not run.  Returns
+    {name: why} for the dropped ones."""
+    remaining, bad = list(names), {}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" or dev != "cuda"}
+    while remaining:
+        r = subprocess.run([sys.executable, "-c", _SMOKE, json.dumps(remaining), str(K), str(N), str(num_sms), dev],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        seen = 0
+        for line in r.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] in ("ok", "wrong") and parts[1] in remaining:
+                seen += 1
+                if parts[0] == "wrong":
+                    bad[parts[1]] = f"wrong result (max rel err {parts[2]})"
+        remaining = remaining[seen:]
+        if r.returncode == 0 or not remaining:
+            break
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1][:200]
+        bad[remaining[0]] = f"crashed the smoke process: {tail}"
+        remaining = remaining[1:]
+    return bad
+
+
 # ------------------------------------------------------------------ timing
 class Timer:
     def __init__(self, dry: bool, quick: bool):
@@ -149,10 +202,9 @@ class Timer:
 
     def __call__(self, step, copies: int) -> dict:
         """Median microseconds per call of ``step(i)`` (i picks the weight copy)."""
-        if self.dry:
-            step(0)
+        if self.dry:  # the interpreter: one call, wall time (control flow only)
             t = time.perf_counter()
-            step(1 % copies)
+            step(0)
             return {"median_us": (time.perf_counter() - t) * 1e6, "calls": 1, "replays": 1}
         cur = torch.cuda.current_stream()
         for i in range(2):
@@ -408,7 +460,7 @@ def main():
     dev = "cpu" if dry else "cuda"
     dtype = torch.bfloat16
     if dry:
-        K, Ns, time_ms, inv_ms, num_sms = 128, (45, 32), (1, 17), (1, 2, 5, 17, 40), 4
+        K, Ns, time_ms, inv_ms, num_sms = 128, (45, 32), (1, 17), (1, 5, 17), 4
     else:
         K, Ns, num_sms = 3584, (7168, 3584, 1792, 896), torch.cuda.get_device_properties(0).multi_processor_count
         time_ms = (1, 4, 16, 64, 256, 1024, 8192)
@@ -433,7 +485,12 @@ def main():
         failed = precompile(names, K=K, N=Ns[-1], workers=args.workers)
         log(f"(0) compiled {len(names)} x 3 variants in {time.perf_counter() - t:.1f}s with {args.workers} "
             f"workers; failed: {sorted(failed) or 'none'}")
-        result["compile_failed"] = failed
+        result["compile_failed"] = dict(failed)
+    t = time.perf_counter()
+    smoke_bad = gpu_smoke([n for n in names if n not in failed], K=K, N=Ns[-1], num_sms=num_sms, dev=dev)
+    log(f"(0) smoke run of every candidate in {time.perf_counter() - t:.1f}s; dropped: {smoke_bad or 'none'}")
+    result["smoke_failed"] = smoke_bad
+    failed.update(smoke_bad)
     # (b) invariance
     t = time.perf_counter()
     inv = invariance([n for n in names if n not in failed], K=K, Ns=Ns, Ms=inv_ms, dev=dev, dtype=dtype,

@@ -381,8 +381,11 @@ def test_warp_spec_rejected_on_new_triton():
 
 
 def test_bench_dry_run(tmp_path):
-    """bench/bench_gemm.py's control flow on tiny shapes under the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    """bench/bench_gemm.py's control flow on tiny shapes under the interpreter, with one candidate
+    made to crash the smoke child (K3TAIL_BENCH_SMOKE_CRASH): it is dropped, the child restarts
+    with the rest, and everything else is measured and written."""
+    crash = "t_s16x16_w4_s32"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "K3TAIL_BENCH_SMOKE_CRASH": crash}
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gemm.py"), "--dry-run", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -393,3 +396,8 @@ def test_bench_dry_run(tmp_path):
         assert k in d, k
     assert d["invariance"]["checked"] > 0
     assert d["winners"], d["winners"]
+    assert list(d["smoke_failed"]) == [crash], d["smoke_failed"]
+    assert all(crash not in r.get("ours", {}) for r in d["timings"])
+    timed = set().union(*(r.get("ours", {}).keys() for r in d["timings"]))
+    assert timed == set(d["candidates"]) - {crash}, timed
+    assert "recommendation" in d and d["recommendation"]["classes"]
