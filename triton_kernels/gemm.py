@@ -127,13 +127,15 @@ CANDIDATES = {
     "p_s16x16_w4_s16": (_t("ptr", 16, 16, True, 4, 16, group_m=1), (1, 4, 16)),
     "p_s16x16_w4_s32": (_t("ptr", 16, 16, True, 4, 32, group_m=1), (1, 4, 16)),
     "p_s16x32_w4_s16": (_t("ptr", 16, 32, True, 4, 16, group_m=1), (1, 4, 16)),
+    "t_s16x16_w4_s12": (_t("tma", 16, 16, True, 4, 12, group_m=1), (1, 4, 16, 64)),  # ~4 programs / SM
     "t_s16x16_w4_s16": (_t("tma", 16, 16, True, 4, 16, group_m=1), (1, 4, 16)),
-    "t_s16x16_w4_s32": (_t("tma", 16, 16, True, 4, 32, group_m=1), (1, 4, 16)),
+    "t_s16x16_w4_s32": (_t("tma", 16, 16, True, 4, 32, group_m=1), (1, 4, 16, 64)),
     "t_s16x16_w2_s24": (_t("tma", 16, 16, True, 2, 24, group_m=1), (1, 4, 16)),
-    "t_s16x32_w4_s24": (_t("tma", 16, 32, True, 4, 24, group_m=1), (1, 4, 16)),
+    "t_s16x32_w4_s12": (_t("tma", 16, 32, True, 4, 12, group_m=1), (1, 4, 16, 64)),
+    "t_s16x32_w4_s24": (_t("tma", 16, 32, True, 4, 24, group_m=1), (1, 4, 16, 64)),
     # ... and wgmma tiles (MMA-M 64) in case mma.sync and wgmma bits differ on the device
     "t_s16x64_w4_s16": (_t("tma", 16, 64, True, 4, 16, group_m=1), (1, 4, 16, 64)),
-    "t_n64x16_w4_s16": (_t("tma", 64, 16, False, 4, 16, group_m=1), (1, 4, 16, 64)),
+    "t_n64x16_w4_s16": (_t("tma", 64, 16, False, 4, 16, group_m=1), (1, 4, 16, 64, 256)),
     "p_n64x16_w4_s12": (_t("ptr", 64, 16, False, 4, 12, group_m=1), (1, 4, 16, 64)),
     # small M
     "t_s64x32_w4_s12": (_t("tma", 64, 32, True, 4, 12), (64, 256)),
