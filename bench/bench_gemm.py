@@ -5,18 +5,24 @@
 
 (0) compile every candidate of ``gemm.CANDIDATES`` (three signatures each: bf16 out, fp32 out,
     bf16 out with the prefix + shared epilogue) in parallel worker processes that fill Triton's
-    cache (no GPU needed there), so the launches below find them compiled.
+    cache (no GPU needed there), so the launches below find them compiled; then launch each
+    once in a child process (M = 1 and 300 against torch): a config that faults or computes
+    garbage is dropped before it can take the main run's CUDA context down.
 (b) invariance (first: it decides which configs may be mixed): a fixed token row at the first,
     middle and last position of batches M = 1..16, 17, 31, 64, 65, 128, 256, 1024, 4096, 8192
     (random other rows), every candidate, N = 7168/3584/1792/896, K = 3584, bf16 in, fp32 out
     (so a 1-ulp fp32 difference cannot hide behind a rounding), compared bitwise with the same
-    candidate at M = 1 (self-consistency) and across candidates (equivalence classes of the
-    M = 1 row bits).  Each candidate's M = 1 row is also held against an fp64 reference.
+    candidate at M = 1 (self-consistency, up to ``inv_max_m``: 4x the candidate's largest timed
+    M, at least 256) and across candidates (equivalence classes of the M = 1 row bits).  Each
+    candidate's M = 1 row is also held against an fp64 reference.
 (a) speed: CUDA-graph replay, median per call, weights rotating over enough copies to exceed
     3x L2 (a decode step streams each layer's weights from HBM): every candidate at the M values
     it lists (of 1, 4, 16, 64, 256, 1024, 8192) for each N; cuBLAS ``torch.mm`` (bf16 out) and
     ``torch.mm(out_dtype=fp32)`` + the torch epilogue ``(prefix + acc) + shared`` timed in the same
     run; the winner of each shape also timed with its fused epilogue (prefix bf16, shared fp32).
+(d) TAIL_FUSION's kernel B alone (``k3tail.tail.shard_gemm``) with the decode candidates' tactics
+    at M = 1, 4, 16 for the W = 4 and 8 shards, against bench/results/bench_tail.json (today's
+    GEMV / split-K kernel B).
 (c) a short table last; JSON ``<out>/gemm_<device>.json`` (device, date, commit, torch/triton,
     per-shape winners, the best of the largest invariance class per shape and per M bucket,
     every timing, every invariance mismatch).
@@ -61,6 +67,10 @@ T0 = time.perf_counter()
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def meta(dry: bool) -> dict:
@@ -314,7 +324,7 @@ def invariance(names, *, K, Ns, Ms, dev, dtype, num_sms, dry, log_every=True) ->
 
 
 # ------------------------------------------------------------------ (a) timing
-def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, failed) -> list:
+def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, failed, on_row=None) -> list:
     rows = []
     l2 = 50 << 20 if dry else getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
     gen = torch.Generator(device=dev).manual_seed(99)
@@ -369,7 +379,7 @@ def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, f
             try:
                 row["ours"][n] = timer(ours, copies)["median_us"]
             except Exception as e:
-                row.setdefault("errors", {})[n] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                row.setdefault("errors", {})[n] = _why(e)
         if row["ours"]:
             best = min(row["ours"], key=row["ours"].get)
             row["best"], row["best_us"] = best, row["ours"][best]
@@ -395,6 +405,63 @@ def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, f
             f"epilogue ours {row.get('best_epi_us', float('nan')):.2f} vs cuBLAS32+torch "
             f"{row.get('cublas32_epi_us') or float('nan'):.2f} us")
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)  # the JSON so far (a run cut short by a timeout keeps what it measured)
+    return rows
+
+
+def run_kernel_b(names, *, K, Ns, Ms, dev, dtype, timer, budget_s, dry, failed) -> list:
+    """(d) TAIL_FUSION's kernel B alone (``k3tail.tail.shard_gemm``: world size 1, the mailbox is
+    ``out``) with the tactics of the decode candidates it can take (16 token rows), weights
+    rotating, against today's numbers in bench/results/bench_tail.json where present."""
+    try:
+        from k3tail.tail import shard_gemm
+    except Exception as e:  # the package layout moved: the lead's launcher replaces this
+        log(f"(d) kernel B skipped: {type(e).__name__}: {e}")
+        return []
+    today = {}
+    try:
+        bt = json.loads((ROOT / "bench" / "results" / "bench_tail.json").read_text())
+        today = {(r["N"], r["M"]): r for r in bt["figures"]["kernel_b"]}
+    except Exception:
+        pass
+    l2 = 50 << 20 if dry else getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    rows = []
+    bnames = [n for n in names if n not in failed and G.CANDIDATES[n][0]["block_m"] == 16
+              and G.CANDIDATES[n][0]["swap_ab"]]
+    for N in Ns:
+        copies = 2 if dry else max(2, math.ceil(3 * l2 / (N * K * 2)))
+        ws = [(torch.randn(N, K, generator=gen, device=dev) * K ** -0.5).to(dtype) for _ in range(copies)]
+        for M in Ms:
+            if time.perf_counter() - T0 > budget_s:
+                rows.append({"N": N, "M": M, "skipped": "time budget"})
+                continue
+            a = torch.randn(M, K, generator=gen, device=dev).to(dtype)
+            outs = [torch.empty(M, N, dtype=dtype, device=dev) for _ in range(copies)]
+            row = {"N": N, "M": M, "ours": {}, "today_default_us": today.get((N, M), {}).get("default_us"),
+                   "today_best_us": today.get((N, M), {}).get("best_us")}
+            for n in bnames:
+                t = G.CANDIDATES[n][0]
+                bt = {"b_block_n": t["block_n"], "b_swap_ab": True, "b_tma": t["variant"] == "tma",
+                      "b_warps": t["warps"], "b_stages": t["stages"]}
+                try:
+                    for i in range(copies):  # the first call per out allocates (outside capture)
+                        shard_gemm(a, ws[i], out=outs[i], tactics=bt)
+                    ref = a.float() @ ws[0].float().t()
+                    if not float((outs[0].float() - ref).abs().max()) <= 0.02 * float(ref.abs().max()) + 1e-2:
+                        row.setdefault("errors", {})[n] = "wrong result"
+                        continue
+                    row["ours"][n] = timer(lambda i, bt=bt: shard_gemm(a, ws[i], out=outs[i], tactics=bt),
+                                           copies)["median_us"]
+                except Exception as e:
+                    row.setdefault("errors", {})[n] = _why(e)
+            if row["ours"]:
+                b = min(row["ours"], key=row["ours"].get)
+                row["best"], row["best_us"] = b, row["ours"][b]
+            log(f"(d) kernel B N={N} M={M}: best {row.get('best')} {row.get('best_us', float('nan')):.2f} us; "
+                f"today (bench_tail.json) default {row['today_default_us']} best {row['today_best_us']}")
+            rows.append(row)
     return rows
 
 
@@ -506,8 +573,12 @@ def main():
     save()
     # (a) timing
     timer = Timer(dry, args.quick)
+    def partial(rows):
+        result["timings"] = rows
+        save()
+
     timings = run_timing(names, K=K, Ns=Ns, Ms=time_ms, dev=dev, dtype=dtype, num_sms=num_sms, timer=timer,
-                         budget_s=budget, dry=dry, failed=failed)
+                         budget_s=budget, dry=dry, failed=failed, on_row=partial)
     result["timings"] = timings
     result["winners"] = {f"M{r['M']}_N{r['N']}": {"best": r["best"], "tactic": G.CANDIDATES[r["best"]][0],
                                                   "us": r["best_us"], "cublas_us": r["cublas_us"],
@@ -516,6 +587,10 @@ def main():
                                                   "cublas32_epi_us": r.get("cublas32_epi_us")}
                          for r in timings if r.get("best")}
     result["recommendation"] = recommend(timings, inv, names)
+    save()
+    # (d) kernel B
+    result["kernel_b"] = run_kernel_b(names, K=K, Ns=Ns[-2:], Ms=(1, 4, 16) if not dry else (1, 5), dev=dev,
+                                      dtype=dtype, timer=timer, budget_s=budget + 20, dry=dry, failed=failed)
     save()
     # (c) the table
     print("\n== invariance: bit-classes of the M=1 rows (every N); self-consistent = same bits at every M/position")
@@ -545,6 +620,12 @@ def main():
         print(f"{r['M']:>5} {r['N']:>5} {r['best']:>24} {r['best_us']:9.2f} {r['cublas_us']:9.2f} "
               f"{r['ratio_vs_cublas']:6.2f} {r.get('best_epi_us', float('nan')):9.2f} "
               f"{(c32 if c32 is not None else float('nan')):10.2f}")
+    if result["kernel_b"]:
+        print("\n== kernel B (shard_gemm, TAIL_FUSION's B alone) vs bench_tail.json (today: GEMV / split-K)")
+        for r in result["kernel_b"]:
+            print(f"  N={r['N']:5d} M={r['M']:3d}: best {r.get('best', r.get('skipped', '-'))} "
+                  f"{r.get('best_us', float('nan')):7.2f} us; today default {r.get('today_default_us')} "
+                  f"best {r.get('today_best_us')}")
     print(f"\nwrote {path} in {time.perf_counter() - T0:.1f}s")
 
 
