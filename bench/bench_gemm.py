@@ -527,7 +527,7 @@ def main():
     dev = "cpu" if dry else "cuda"
     dtype = torch.bfloat16
     if dry:
-        K, Ns, time_ms, inv_ms, num_sms = 128, (45, 32), (1, 17), (1, 5, 17), 4
+        K, Ns, time_ms, inv_ms, num_sms = 128, (45,), (1, 17), (1, 5, 17), 4
     else:
         K, Ns, num_sms = 3584, (7168, 3584, 1792, 896), torch.cuda.get_device_properties(0).multi_processor_count
         time_ms = (1, 4, 16, 64, 256, 1024, 8192)
