@@ -23,9 +23,13 @@ def _record(kernel, grid, args, options, constexprs):
     """``k3tail.runtime.launch``'s observer: notes each launched variant (the launch goes on as usual)."""
     fn = getattr(kernel, "fn", kernel)
     names = [n for n in kernel.arg_names if n not in constexprs]
-    sig = {}
+    sig, nones = {}, []
     for n, a in zip(names, args):
-        if isinstance(a, torch.Tensor):
+        if a is None:  # an absent optional operand: a constexpr None to the compiler
+            nones.append(n)
+        elif hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor
+            sig[n] = f"tensordesc<{_TYPES[a.base.dtype]}{list(a.block_shape)}>"
+        elif isinstance(a, torch.Tensor):
             sig[n] = "*" + _TYPES[a.dtype]
         elif isinstance(a, bool):
             sig[n] = "i1"
@@ -33,7 +37,7 @@ def _record(kernel, grid, args, options, constexprs):
             sig[n] = "i64" if abs(a) >= 2 ** 31 else "i32"
         else:
             sig[n] = "fp32"
-    _RECORDS.append({"module": fn.__module__, "name": fn.__name__, "sig": sig,
+    _RECORDS.append({"module": fn.__module__, "name": fn.__name__, "sig": sig, "nones": nones,
                      "constexprs": dict(constexprs),
                      "options": {k: v for k, v in options.items() if k in ("num_warps", "num_stages")}})
 
@@ -53,10 +57,11 @@ def _drive_w1():
         residual=T.randn((M, Lt), torch.bfloat16, 2))
     project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),
             prefix_hidden=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6))
-    project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),  # large-M path's epilogue
+    tma = {"variant": "tma", "block_m": 16, "block_n": 64, "swap_ab": False, "persistent": True, "stages": 3}
+    project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),  # the TMA variant
             prefix_hidden=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6),
-            tactics={"triton_max_m": 0, "epilogue": "triton"})
-    for key, tactics in (("compile.w1", None), ("compile.w1.gemv", {"b_gemv_max_m": 4})):  # B tiled / GEMV
+            tactics={"m16": tma})
+    for key, tactics in (("compile.w1", None), ("compile.w1.swap", {"b_swap_ab": True})):  # B both orientations
         LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
             prefix_hidden=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
@@ -103,7 +108,7 @@ def _rank_records(rank, W):
         LaneAllReduce(latent=Lt, hidden=H, max_tokens=4, top_k=K)(
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), shared=T.randn((M, H), torch.bfloat16, 20 + rank),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
-        for key, tactics in (("compile.w2", None), ("compile.w2.gemv", {"b_gemv_max_m": 4})):  # B tiled / GEMV
+        for key, tactics in (("compile.w2", None), ("compile.w2.swap", {"b_swap_ab": True})):  # B both orientations
             LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
                 prefix_hidden=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 30 + rank),
                 norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
@@ -128,7 +133,7 @@ for rec in json.load(sys.stdin):
     mc_variants = [(True, False), (False, False), (True, True)] if "MULTICAST" in kern.arg_names else \
         [(True, None), (False, None)]
     for pdl, mc in mc_variants:
-        const = dict(rec["constexprs"])
+        const = dict(rec["constexprs"], **{n: None for n in rec.get("nones", [])})
         for flag, val in (("USE_GLOBALTIMER", True), ("USE_PDL", pdl), ("MULTICAST", mc)):
             if flag in kern.arg_names and val is not None:
                 const[flag] = val

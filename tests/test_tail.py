@@ -23,8 +23,8 @@ from k3tail.errors import PeerTimeout, WorkspacePoisoned
 
 SMALL = (512, 256, 4)
 K3 = (7168, 3584, 16)
-GEMV_SHAPE = (128, 200, 4)   # shard 64 at W = 2; L = 200 is not a power of two
-GEMV = {"b_gemv_max_m": 4, "b_gemv_rows": 8}   # kernel B's GEMV variant for M <= 4
+SWAP_SHAPE = (128, 200, 4)   # shard 64 at W = 2; L = 200 is not a power of two
+SWAP = {"b_swap_ab": True, "b_block_n": 16}   # kernel B with the weights on the MMA's M side
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -82,7 +82,7 @@ def check_case(case: dict, outs: list, W: int, what: str) -> dict:
 
 
 def cpu_cases(W: int) -> list:
-    split = {"a_slices": 4, "b_split_k": 2, "b_block_n": 64, "b_block_k": 64, "c_block": 128, "c_programs": 3}
+    split = {"a_slices": 4, "b_swap_ab": True, "b_block_n": 64, "c_block": 128, "c_programs": 3}
     cases = [
         dict(key="layer0", shape=SMALL, M=3, deferred=False, seed=1),
         dict(key="layer1", shape=SMALL, M=5, deferred=True, seed=2, routed_scale=2.5),
@@ -94,11 +94,11 @@ def cpu_cases(W: int) -> list:
     if W == 2:
         cases += [dict(key="fp16", shape=SMALL, M=4, deferred=True, seed=8, dtype=torch.float16),
                   # kernel B's GEMV variant (M <= 4), then the tiled GEMM on the same set (M = 6)
-                  dict(key="gemv", shape=GEMV_SHAPE, M=1, deferred=True, seed=9, tactics=GEMV),
-                  dict(key="gemv", shape=GEMV_SHAPE, M=3, deferred=False, seed=10, tactics=GEMV),
-                  dict(key="gemv", shape=GEMV_SHAPE, M=4, deferred=True, seed=11, tactics=GEMV),
-                  dict(key="gemv", shape=GEMV_SHAPE, M=6, deferred=True, seed=12, tactics=GEMV),
-                  dict(key="gemv", shape=GEMV_SHAPE, M=2, deferred=False, seed=13, tactics=GEMV),
+                  dict(key="gemv", shape=SWAP_SHAPE, M=1, deferred=True, seed=9, tactics=SWAP),
+                  dict(key="gemv", shape=SWAP_SHAPE, M=3, deferred=False, seed=10, tactics=SWAP),
+                  dict(key="gemv", shape=SWAP_SHAPE, M=4, deferred=True, seed=11, tactics=SWAP),
+                  dict(key="gemv", shape=SWAP_SHAPE, M=6, deferred=True, seed=12, tactics=SWAP),
+                  dict(key="gemv", shape=SWAP_SHAPE, M=2, deferred=False, seed=13, tactics=SWAP),
                   dict(key="k3", shape=K3, M=1, deferred=True, seed=20),
                   dict(key="k3", shape=K3, M=4, deferred=False, seed=21),
                   dict(key="k3", shape=K3, M=16, deferred=True, seed=22)]
@@ -134,10 +134,10 @@ def _worker(rank: int, W: int, cases: list, poison: bool):
     if poison:
         res.update(_poison_steps(rank, W, dict(key="poison", shape=SMALL, M=2, deferred=True, seed=40)))
         # M = 1, kernel B tiled and GEMV (each its own pool: another shape or max_tokens)
-        res["tiled1"] = _poison_steps(rank, W, dict(key="poison.tiled", shape=GEMV_SHAPE, M=1, deferred=True,
-                                                    seed=41, tactics={"b_gemv_max_m": 0}), max_tokens=8)
-        res["gemv1"] = _poison_steps(rank, W, dict(key="poison.gemv", shape=GEMV_SHAPE, M=1, deferred=True,
-                                                   seed=42, tactics=GEMV))
+        res["tiled1"] = _poison_steps(rank, W, dict(key="poison.tiled", shape=SWAP_SHAPE, M=1, deferred=True,
+                                                    seed=41, tactics={"b_swap_ab": False}), max_tokens=8)
+        res["swap1"] = _poison_steps(rank, W, dict(key="poison.gemv", shape=SWAP_SHAPE, M=1, deferred=True,
+                                                   seed=42, tactics=SWAP))
     return res
 
 
@@ -190,8 +190,8 @@ def test_tail_cpu_w2():
     res = _run_cpu(2, poison=True)
     W = 2
     for rank, res_r in enumerate(res):
-        for r, shape in ((res_r, (2, SMALL[0])), (res_r["tiled1"], (1, GEMV_SHAPE[0])),
-                         (res_r["gemv1"], (1, GEMV_SHAPE[0]))):
+        for r, shape in ((res_r, (2, SMALL[0])), (res_r["tiled1"], (1, SWAP_SHAPE[0])),
+                         (res_r["swap1"], (1, SWAP_SHAPE[0]))):
             assert r["p1"] == shape
             if rank != W - 1:
                 assert r["p2"] == "PeerTimeout", r
@@ -244,8 +244,10 @@ def test_tail_w1_and_bad_inputs():
         LatentTail(hidden=H, latent=Lt, key="x", dtype=torch.float32)
     with pytest.raises(ValueError, match="tactics"):
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_block_n": 24})
-    with pytest.raises(ValueError, match="b_gemv_max_m"):
-        LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_gemv_max_m": 8})
+    with pytest.raises(ValueError, match="b_swap_ab"):
+        LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_swap_ab": 1})
+    with pytest.raises(ValueError, match="unknown keys"):  # split-K and BLOCK_K are not tactics any more
+        LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_split_k": 2})
     assert tail(**dict(good, prefix_hidden=prefix[:0], shared=shared[0][:0],
                        expert_weights=routed[0]["expert_weights"][:0],
                        expanded_idx=routed[0]["expanded_idx"][:0])).shape == (0, H)
@@ -254,8 +256,8 @@ def test_tail_w1_and_bad_inputs():
     w = T.randn((96, Lt), torch.bfloat16, 61, scale=Lt ** -0.5)
     ref = R.f64(a).to(torch.bfloat16).double() @ R.f64(w).T
     T.check_ulp(shard_gemm(a, w), ref, max_ulp=1.0, frac=0.999, what="shard_gemm")
-    T.check_ulp(shard_gemm(a, w, tactics={"b_split_k": 2, "b_block_k": 64, "b_block_n": 32}), ref,
-                max_ulp=1.0, frac=0.999, what="shard_gemm split")
+    T.check_ulp(shard_gemm(a, w, tactics={"b_swap_ab": True, "b_block_n": 32}), ref,
+                max_ulp=1.0, frac=0.999, what="shard_gemm swapped")
     # the pool: consecutive keys get different sets, the same key the same set
     kw = dict(hidden=H, latent=Lt, pool_depth=2)
     t_a, t_b, t_c, t_a2 = (LatentTail(key=k, **kw) for k in ("pA", "pB", "pC", "pA"))
@@ -272,7 +274,7 @@ def check_rounded_once(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, what
     ``ref -/+ slack`` with slack the fp32 summation bound ``K * 2^-24 * sum|a||w|`` (the
     products of 16-bit values are exact in fp32)."""
     ref = R.f64(a) @ R.f64(w).T
-    T.check_ulp(out, ref, max_ulp=1.0, frac=1.0, what=what)  # no NaN (every element written)
+    T.check_ulp(out, ref, max_ulp=1.0, frac=0.99, what=what)  # no NaN (every element written); the bound below
     K = a.shape[1]
     slack = 1.01 * K * 2.0 ** -24 * (R.f64(a).abs() @ R.f64(w).abs().T)
     lo, hi = (ref - slack).to(out.dtype).double(), (ref + slack).to(out.dtype).double()
@@ -281,32 +283,31 @@ def check_rounded_once(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, what
     assert not bad.any(), f"{what}: {int(bad.sum())} elements not the product rounded once"
 
 
-def test_shard_gemm_gemv():
-    """Kernel B's GEMV variant alone: the product rounded once, every element written,
-    L a power of two or not, shard rows a multiple of the rows per program or not."""
+def test_shard_gemm_tiles():
+    """Kernel B alone in its tile configs (weights on the MMA's M or N side, 16..64 shard rows per
+    program): the product rounded once, every element written, L a multiple of BLOCK_K (64) or not,
+    shard rows a multiple of the tile or not; and the same bits in every config (one K order)."""
     from k3tail.ops.tail import shard_gemm
 
-    for N, Lt, rows in ((64, 200, 8), (72, 256, 16), (64, 256, 4), (40, 136, 8)):
-        for M in (1, 2, 3, 4):
-            seed = 1000 * M + N + Lt + rows
+    for N, Lt in ((64, 200), (72, 256), (40, 136)):
+        for M in (1, 2, 3, 4, 16):
+            seed = 1000 * M + N + Lt
             a = T.randn((M, Lt), torch.bfloat16, seed)
             w = T.randn((N, Lt), torch.bfloat16, seed + 1, scale=Lt ** -0.5)
-            out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
-            shard_gemm(a, w, out=out, tactics={"b_gemv_max_m": 4, "b_gemv_rows": rows})
-            check_rounded_once(out, a, w, f"shard_gemm GEMV N={N} L={Lt} rows={rows} M={M}")
-    # M above b_gemv_max_m takes the tiled kernel: same contract
+            outs = []
+            for t in ({"b_swap_ab": False, "b_block_n": 16}, {"b_swap_ab": True, "b_block_n": 16},
+                      {"b_swap_ab": True, "b_block_n": 64}, {"b_swap_ab": False, "b_block_n": 32}):
+                out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
+                shard_gemm(a, w, out=out, tactics=t)
+                check_rounded_once(out, a, w, f"shard_gemm {t} N={N} L={Lt} M={M}")
+                outs.append(out)
+            for o in outs[1:]:
+                assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16)), (N, Lt, M)
     a = T.randn((3, 200), torch.bfloat16, 5)
     w = T.randn((64, 200), torch.bfloat16, 6, scale=200 ** -0.5)
-    out = T.poison_(torch.empty(3, 64, dtype=torch.bfloat16))
-    shard_gemm(a, w, out=out, tactics={"b_gemv_max_m": 2})
-    check_rounded_once(out, a, w, "shard_gemm tiled (M > b_gemv_max_m)")
-    for bad in ({"b_gemv_max_m": 5}, {"b_gemv_max_m": -1}, {"b_gemv_max_m": True}, {"b_gemv_rows": 12},
-                {"b_gemv_rows": 0}, {"b_gemv_warps": 3}):
-        with pytest.raises(ValueError, match="b_gemv"):
+    for bad in ({"b_swap_ab": 1}, {"b_tma": "yes"}, {"b_block_n": 24}, {"b_block_n": 8}, {"b_gemv_rows": 8}):
+        with pytest.raises(ValueError, match="b_"):
             shard_gemm(a, w, tactics=bad)
-    with pytest.raises(ValueError, match="b_gemv_rows"):  # 64 x 32768 > Triton's largest block
-        shard_gemm(T.randn((1, 20000), torch.bfloat16, 7), T.randn((8, 20000), torch.bfloat16, 8),
-                   tactics={"b_gemv_max_m": 4, "b_gemv_rows": 64})
 
 
 # ------------------------------------------------------------------ GPU loopback
@@ -403,13 +404,12 @@ def test_multicast_store_gating():
     from k3tail.ops.tail import LatentTail
 
     tail = LatentTail(hidden=64, latent=32, top_k=2, key="mc-gate", max_tokens=4,
-                      tactics={"b_block_n": 16, "b_gemv_max_m": 2, "b_gemv_rows": 1})
+                      tactics={"b_block_n": 16})
     real_ws = tail.ws
     assert real_ws.multicast_ptr == 0 and not tail._multicast_ok(3)
     try:
         tail.ws = types.SimpleNamespace(multicast_ptr=0x1000)
-        assert tail._multicast_ok(3)          # tiled B: N tile 16, shard 64
-        assert not tail._multicast_ok(2)      # GEMV B with 1 row per program: no column pairs
+        assert tail._multicast_ok(3)          # N tile 16, shard 64
         tail.shard = 63
         assert not tail._multicast_ok(3)      # odd shard: a pair would straddle ranks
     finally:

@@ -20,9 +20,9 @@ partial unchanged (an exact 16-bit input), ``mailbox`` the once-rounded output.
 Local (never addressed by peers) scratch of the set: ``sum32 [MT, L]`` fp32 (the reduced
 latent), ``sq [MT, SLICES]`` fp64 (partial sums of squares), ``normed [MT, L]`` dtype (the
 once-rounded normed latent, kernel B's A operand), ``rs32 [MT, S]`` fp32 (the reduced own
-shared shard, handed to B in fp32), ``cnt_a [MT]`` and ``cnt_b [..]`` int32 arrival
-counters (each reset to 0 by the program that completes it), ``part [SPLIT_K, 16, S]``
-fp32 (split-K partials of B).
+shared shard, handed to B in fp32), ``cnt_a [MT]`` int32 arrival counters (each reset to 0
+by the program that completes it).  (``cnt_b`` and ``part``, the split-K scratch of an
+earlier kernel B, are allocated by the host but no longer used: issue 21.)
 
 Kernels (all on the rank's stream, in the order A, B, C)
 ========================================================
@@ -43,10 +43,11 @@ Kernels (all on the rank's stream, in the order A, B, C)
     ``normed[t] = round_to(sum32[t] * rstd * gamma)`` (the latent's only rounding).
     Interpreter-safe: program p only waits for data that the peers' program p publishes
     (same item order on every rank) before it waits; counters never wait.
-(B) ``tail_b_kernel`` / ``tail_b_gemv_kernel`` (``tail_fusion_b.py``, which states B's
-    part in full): the skinny GEMM ``normed @ W_up_shard^T`` (tiled ``tl.dot`` with optional
-    split-K, or a GEMV for M <= 4), fp32 accumulation, epilogue ``acc + rs32 + prefix
-    shard`` in fp32 with ONE rounding, stored into columns [rank*S, ...) of EVERY rank's
+(B) ``tail_b_kernel`` (``tail_fusion_b.py``, which states B's part in full): the skinny
+    GEMM ``normed @ W_up_shard^T`` with the projection family's K loop (``gemm.py``: BLOCK_K
+    64 chunks in ascending order, one ``tl.dot`` each, no split-K, no GEMV), fp32
+    accumulation, epilogue ``(prefix shard + acc) + rs32`` in fp32 with ONE rounding, stored
+    into columns [rank*S, ...) of EVERY rank's
     mailbox (unicast through the peer table; a multicast variant exists but never runs on
     these machines).  B never waits; ``gdc_wait`` comes before it reads A's scratch and
     before its first mailbox store; on a poisoned workspace it stores nothing.
@@ -73,7 +74,7 @@ so a waiting dependent never occupies SMs a spinning peer grid needs in loopback
   r's B(n+1) starts after r's A(n+1) completed; r's A(n+1) completed only after it saw
   d's routed slice of call n+1, which d's A(n+1) published after d's C(n) completed,
   re-arm included.
-* local scratch (sum32, sq, normed, rs32, counters, part): A(n+1) writes it only after C(n)
+* local scratch (sum32, sq, normed, rs32, counters): A(n+1) writes it only after C(n)
   completed, and C(n) completed after B(n) (its gdc_wait / stream order), the last reader.
 Hence a single slot set per workspace; the set can be shared by several layers (their
 calls are stream-ordered and each call is a complete chain), which is what the pool does.
@@ -96,7 +97,7 @@ import triton.language as tl
 
 from .lamport import canonicalize, is_poisoned, now_ns, rearm, round_to, wait_ready
 from .numerics import finalize32, rank_sum64, rms_rstd, sq64
-from .tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel  # noqa: F401 - kernel B, re-exported
+from .tail_fusion_b import tail_b_kernel  # noqa: F401 - kernel B, re-exported
 
 BLOCK_M = 16        # M padded to 16 for tl.dot (TAIL_FUSION capacity is 16 tokens)
 PAD_BYTES_SIZE = 4096

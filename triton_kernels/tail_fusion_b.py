@@ -1,33 +1,35 @@
 """TAIL_FUSION kernel B: the sharded skinny up-projection with the fused epilogue (DESIGN §3.2).
 
 Part of the three-kernel decode tail A -> B -> C of ``triton_kernels/tail_fusion.py``: the
-buffers, A, C and the proof that one stage of slots suffices are there; this file holds B's
-two variants and their shared epilogue.  B's part of the protocol:
+buffers, A, C and the proof that one stage of slots suffices are there; this file holds B.
+B's part of the protocol:
 
-(B) ``tail_b_kernel``: skinny GEMM ``acc[16, BLOCK_N] = normed[0:16 (masked to M), :] @
-    W_up_shard[n-block, :]^T`` with ``tl.dot`` on 16-bit inputs, fp32 accumulation.  Grid:
-    N-blocks x SPLIT_K.  Right after ``gdc_wait`` every program reads the poison flag and
-    loads its epilogue operands (``rs32`` tile and prefix shard tile, fp32), then streams
-    the weights at once: the flag only gates the stores, the operands are not a second
-    round trip after the K loop.  SPLIT_K > 1: each program stores its fp32 partial, the
-    last arriving program of an N-block (``cnt_b``) adds the partials in split order
-    (deterministic) and runs the epilogue.
-    ``tail_b_gemv_kernel`` (the host picks it when M <= tactic ``b_gemv_max_m`` <= 4): no
-    ``tl.dot``, no split-K; program p owns ``ROWS`` rows of the shard, loads its whole
-    [ROWS, L] weight tile (K padded to a power of two, masked), the epilogue operands and
-    the M rows of ``normed`` together, and computes each token's row ``sum_k w * a`` with
-    fp32 products (exact for 16-bit inputs) and fp32 sums, then the same epilogue.
-    Epilogue (one function, both kernels): ``acc + rs32 + prefix shard`` in fp32, ONE
-    rounding (``round_to``), canonicalize, store into columns [rank*S, ...) of EVERY
-    rank's mailbox (unicast stores through the peer table).  A multicast-store variant
-    (``MULTICAST``, chosen only when the workspace reports a multicast address, the shard
-    width is even and the N tile is even: never on this project's machines; CI assembles it
-    for sm_90, nothing runs it) stores once through the multicast address with
-    ``multimem.st.b32``, two adjacent 16-bit columns per word (ptxas has no 16-bit
-    multimem.st; masked-off pairs are redirected to the pad instead of predicating the
-    instruction, which ptxas is reported to mishandle).  B never waits;
-    on a poisoned workspace it stores nothing (no partials, no counter update, nothing
-    into any mailbox).
+(B) ``tail_b_kernel``: ``acc[M, S-tile] = normed[0:M, :] @ W_up_shard[n-block, :]^T`` with the
+    projection GEMM family's K loop (``gemm.k_loop_ptr`` / ``gemm.k_loop_tma`` around
+    ``gemm.mma_chunk``): the same code as ``k3tail.project`` and every other tier's projection,
+    so the same arithmetic -- fp32 accumulator, BLOCK_K = 64 chunks in ascending order, one
+    tensor-core ``tl.dot`` per chunk, no split-K, no GEMV (``gemm.py`` states the batch
+    invariance this buys and what keeps it).  Grid: one program per BLOCK_N columns of the
+    shard (``cdiv(S, BLOCK_N)``); every output element is computed and stored by one program.
+    SWAP_AB puts the weights on the MMA's M side (tokens on its N side: 16 = the tail's
+    capacity); USE_TMA reads ``normed`` and the weight shard through host TMA descriptors
+    (``normed_desc`` of ``normed[0:M]`` with box [16, 64], ``w_desc`` of the shard with box
+    [BLOCK_N, 64]; rows past M / S read zeros), else through pointers (rows past M / S are
+    clamped to row 0 for the loads and never stored).  Right after ``gdc_wait`` every program
+    reads the poison flag and loads its epilogue operands (``rs32`` tile and prefix shard tile,
+    fp32), then streams the weights at once: the flag only gates the stores, the operands are
+    not a second round trip after the K loop.
+    Epilogue: ``(prefix shard + acc) + rs32`` in fp32 (``gemm.combine``: the family's order,
+    so a token's output bits do not depend on the tier), ONE rounding (``round_to``),
+    canonicalize, store into columns [rank*S, ...) of EVERY rank's mailbox (unicast stores
+    through the peer table).  A multicast-store variant (``MULTICAST``, chosen only when the
+    workspace reports a multicast address, the shard width is even and the N tile is even:
+    never on this project's machines; CI assembles it for sm_90, nothing runs it) stores once
+    through the multicast address with ``multimem.st.b32``, two adjacent 16-bit columns per
+    word (ptxas has no 16-bit multimem.st; masked-off pairs are redirected to the pad instead
+    of predicating the instruction, which ptxas is reported to mishandle).  B never waits; on a
+    poisoned workspace it stores nothing (nothing into any mailbox).  No atomics, no counters,
+    no partials.
 
 What the chain argument of ``tail_fusion.py`` needs from B: B never waits (no peer memory is
 polled); every B program calls ``gdc_wait`` (PDL) before it reads A's local scratch
@@ -39,7 +41,8 @@ rank d's mailbox, which d's C re-arms after reading them; on a poisoned workspac
 import triton
 import triton.language as tl
 
-from .lamport import INTERPRET, canonicalize, is_poisoned, round_to
+from .gemm import combine, k_loop_ptr, k_loop_tma
+from .lamport import canonicalize, is_poisoned, round_to
 
 
 @triton.jit
@@ -67,8 +70,9 @@ def _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN: tl.const
 def _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
                 HIDDEN: tl.constexpr, SHARD: tl.constexpr, W: tl.constexpr, MB_BYTES: tl.constexpr,
                 PAD_BYTES: tl.constexpr, DTYPE: tl.constexpr, MULTICAST: tl.constexpr):
-    """``acc + sh + pf`` in fp32, one rounding, canonicalize, store into every rank's mailbox."""
-    y = canonicalize(round_to(acc + sh + pf, DTYPE))   # the output's only rounding
+    """``(pf + acc) + sh`` in fp32 (the family's epilogue order), one rounding, canonicalize,
+    store into every rank's mailbox."""
+    y = canonicalize(round_to(combine(acc, pf, sh, True, True), DTYPE))   # the output's only rounding
     col = rank * SHARD + offs_n
     dst = offs_m[:, None] * HIDDEN + col[None, :]
     if MULTICAST:
@@ -95,12 +99,11 @@ def _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
 
 @triton.jit(do_not_specialize=["rank", "M"])
 def tail_b_kernel(
-    normed_ptr, w_ptr, rs32_ptr, prefix_ptr, part_ptr, cnt_ptr,
+    normed_ptr, w_ptr, rs32_ptr, prefix_ptr, normed_desc, w_desc,
     table_ptr, mc_ptr, ctrl_ptr, rank, M,
     HIDDEN: tl.constexpr, LATENT: tl.constexpr, SHARD: tl.constexpr, W: tl.constexpr,
     MB_BYTES: tl.constexpr, PAD_BYTES: tl.constexpr,
-    BLOCK_M_: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M_: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
     MULTICAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -111,127 +114,22 @@ def tail_b_kernel(
     DTYPE = normed_ptr.dtype.element_ty
     # Read now, used only to gate the stores: the weight stream does not wait for it.
     poisoned = is_poisoned(ctrl_ptr)
-    nb = pid // SPLIT_K
-    ks = pid % SPLIT_K
-    K_TILES: tl.constexpr = (LATENT + BLOCK_K - 1) // BLOCK_K
-    K_PER: tl.constexpr = ((K_TILES + SPLIT_K - 1) // SPLIT_K) * BLOCK_K
     offs_m = tl.arange(0, BLOCK_M_)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M
     nmask = offs_n < SHARD
     m2 = mmask[:, None] & nmask[None, :]
     sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD)
-    k0 = ks * K_PER
-    a_ptrs = normed_ptr + offs_m[:, None] * LATENT + (k0 + offs_k)[None, :]
-    b_ptrs = w_ptr + offs_n[None, :] * LATENT + (k0 + offs_k)[:, None]
-    acc = tl.zeros([BLOCK_M_, BLOCK_N], dtype=tl.float32)
-    for kk in range(0, K_PER, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-            if EVEN_N:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            kmask = (k0 + kk + offs_k) < LATENT
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
-        if INTERPRET:
-            # Triton 3.6's interpreter multiplies the raw uint16 bits of bf16 operands:
-            # widen to fp32 first (exact; the products of 16-bit values are exact in fp32).
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if not poisoned:  # a poisoned workspace gets no stores (partials, counter, mailboxes)
-        if SPLIT_K == 1:
-            _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
-                        HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)
-        else:
-            pp = part_ptr + (ks * BLOCK_M_ + offs_m[:, None]) * SHARD + offs_n[None, :]
-            tl.store(pp, acc, mask=nmask[None, :])
-            old = tl.atomic_add(cnt_ptr + nb, 1)  # acq_rel: the last arrival sees every partial
-            if old == SPLIT_K - 1:
-                tl.store(cnt_ptr + nb, 0)
-                tot = tl.zeros([BLOCK_M_, BLOCK_N], dtype=tl.float32)
-                for j in range(SPLIT_K):  # split order: deterministic
-                    pj = part_ptr + (j * BLOCK_M_ + offs_m[:, None]) * SHARD + offs_n[None, :]
-                    tot += tl.load(pj, mask=nmask[None, :], other=0.0, volatile=True)
-                _b_epilogue(tot, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
-                            HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)
-
-
-@triton.jit
-def _gemv_a_row(normed_ptr, m: tl.constexpr, M, offs_k, kmask, LATENT: tl.constexpr, M_P2: tl.constexpr):
-    """Row m of the A operand (``normed``), zeros past the M_P2 rows the kernel computes."""
-    if m < M_P2:
-        # block predicate, not a scalar one ANDed in (integer masks under the interpreter: numerics.finalize32)
-        a = tl.load(normed_ptr + m * LATENT + offs_k, mask=kmask & (tl.broadcast_to(M, offs_k.shape) > m), other=0.0)
+    # the projection family's K loop (gemm.py): same chunks, same order, same MMA as every tier
+    if USE_TMA:
+        acc = k_loop_tma(normed_desc, w_desc, 0, pid * BLOCK_N, LATENT, BLOCK_M_, BLOCK_N, SWAP_AB)
     else:
-        a = tl.zeros(offs_k.shape, normed_ptr.dtype.element_ty)
-    return a
-
-
-@triton.jit(do_not_specialize=["rank", "M"])
-def tail_b_gemv_kernel(
-    normed_ptr, w_ptr, rs32_ptr, prefix_ptr,
-    table_ptr, mc_ptr, ctrl_ptr, rank, M,
-    HIDDEN: tl.constexpr, LATENT: tl.constexpr, SHARD: tl.constexpr, W: tl.constexpr,
-    MB_BYTES: tl.constexpr, PAD_BYTES: tl.constexpr,
-    ROWS: tl.constexpr, K_P2: tl.constexpr, M_P2: tl.constexpr, EVEN_N: tl.constexpr,
-    MULTICAST: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Kernel B for M <= M_P2 <= 4 tokens: program p owns rows [p*ROWS, (p+1)*ROWS) of the
-    shard and loads its whole [ROWS, LATENT] weight tile, the M rows of ``normed`` and the
-    epilogue operands at once (every load in flight together); no tl.dot, no split-K.
-    Same epilogue, same poison rule as ``tail_b_kernel``."""
-    tl.static_assert(M_P2 <= 4)
-    pid = tl.program_id(0)
-    if USE_PDL:
-        # As tail_b_kernel: before reading normed/rs32 (A's) and before any mailbox write.
-        tl.extra.cuda.gdc_wait()
-    DTYPE = normed_ptr.dtype.element_ty
-    poisoned = is_poisoned(ctrl_ptr)  # gates only the stores
-    offs_n = pid * ROWS + tl.arange(0, ROWS)
-    offs_k = tl.arange(0, K_P2)
-    offs_m = tl.arange(0, M_P2)
-    nmask = offs_n < SHARD
-    kmask = offs_k < LATENT
-    mmask = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None] * LATENT + offs_k[None, :]
-    if EVEN_N and K_P2 == LATENT:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-    m2 = mmask[:, None] & nmask[None, :]
-    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD)
-    # Scheduling fence (no data dependence; loads stay in flight across it): ptxas (sm_90,
-    # Triton 3.6) sank most weight loads into the reduction at M = 1 (a few 16-byte loads
-    # per thread in flight, the rest issued as partial sums consumed them).  No load
-    # crosses a barrier and no arithmetic can start before the A rows loaded after it, so
-    # every load above is issued first; the A rows (L2-resident, written by A) are all
-    # loaded right after it, before the first row's reduction.
-    tl.debug_barrier()
-    a0 = _gemv_a_row(normed_ptr, 0, M, offs_k, kmask, LATENT, M_P2)
-    a1 = _gemv_a_row(normed_ptr, 1, M, offs_k, kmask, LATENT, M_P2)
-    a2 = _gemv_a_row(normed_ptr, 2, M, offs_k, kmask, LATENT, M_P2)
-    a3 = _gemv_a_row(normed_ptr, 3, M, offs_k, kmask, LATENT, M_P2)
-    acc = tl.zeros([M_P2, ROWS], dtype=tl.float32)
-    for m in tl.static_range(M_P2):
-        if m == 0:
-            a = a0
-        elif m == 1:
-            a = a1
-        elif m == 2:
-            a = a2
-        else:
-            a = a3
-        # fp32 products (exact for 16-bit inputs) and fp32 sums; widened before the
-        # multiply (the interpreter mishandles 16-bit arithmetic)
-        r = tl.sum(w.to(tl.float32) * a[None, :].to(tl.float32), axis=1)
-        acc = tl.where(offs_m[:, None] == m, r[None, :], acc)
+        rm_ld = tl.where(mmask, offs_m, 0).to(tl.int64)   # rows past M / S: row 0, never stored
+        rn_ld = tl.where(nmask, offs_n, 0).to(tl.int64)
+        acc = k_loop_ptr(normed_ptr, w_ptr, rm_ld, rn_ld, LATENT, 1, LATENT, 1, LATENT, BLOCK_M_, BLOCK_N,
+                         SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)   # [BLOCK_N, BLOCK_M_] -> [BLOCK_M_, BLOCK_N]
     if not poisoned:  # a poisoned workspace gets no stores into any mailbox
         _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
                     HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)

@@ -4,9 +4,9 @@
 (16) tokens in three launches (A: finalize + latent all-reduce + RMSNorm + shared
 reduce-scatter; B: sharded skinny up-projection with the fused epilogue, broadcasting the
 finished shard into every rank's mailbox; C: Lamport gather), no barrier.  B is a tiled
-``tl.dot`` GEMM (tactics ``b_block_n``, ``b_block_k``, ``b_split_k``, ``b_warps``,
-``b_stages``), or for ``M <= b_gemv_max_m`` (0 = never, at most 4) a GEMV
-(``b_gemv_rows`` shard rows per program, ``b_gemv_warps``); same epilogue, same numerics.
+``tl.dot`` GEMM on the projection family's K loop (``triton_kernels/gemm.py``: BLOCK_K 64, K in
+order, no split-K, so its bits are every tier's), tactics ``b_block_n``, ``b_swap_ab``, ``b_tma``,
+``b_warps``, ``b_stages``.
 Also here: the tactic dict (:func:`default_tactics`), kernel B's launch, and
 :func:`shard_gemm` (kernel B alone at world size 1, for benchmarks and tests).
 
@@ -44,101 +44,67 @@ from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.workspace import Workspace, create_workspace, local_workspace, resolve_device
 from k3tail.triton_kernels.lamport import CTRL_WORDS
 from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
-from k3tail.triton_kernels.tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel
+from k3tail.triton_kernels.gemm import BLOCK_K as GEMM_BLOCK_K
+from k3tail.triton_kernels.gemm import tma_ok
+from k3tail.triton_kernels.tail_fusion_b import tail_b_kernel
 
 __all__ = ["LatentTail", "default_tactics", "shard_gemm", "workspace_layout"]
 
 _A = L.kernel(tail_a_kernel)
 _B = L.kernel(tail_b_kernel)
-_B_GEMV = L.kernel(tail_b_gemv_kernel)
 _C = L.kernel(tail_c_kernel)
 
 _SQ_STRIDE = 64          # most A slices per token
-_CNT_B = 4096            # most (N-block) counters of B
-_MAX_SPLIT_K = 16
-_MAX_GEMV_M = 4          # the GEMV variant of B unrolls over M padded to a power of two
-_MAX_GEMV_ROWS = 64
-_MAX_NUMEL = 1 << 20     # Triton's largest block (the GEMV's [rows, L padded] weight tile)
-
+TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "c_block", "c_programs")
 
 
 def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -> dict:
-    shard = hidden // W
+    """The LatentTail tactic dict before tuning (kernel A's slices, kernel B's tile, kernel C's chunks)."""
     p2 = L.next_pow2
     if interpret_mode() or device.type != "cuda":
-        # The interpreter runs programs one after another: few, large programs.
-        return {"a_slices": 1, "b_block_n": max(16, min(256, p2(shard))),
-                "b_block_k": max(16, min(512, p2(latent))), "b_split_k": 1, "b_warps": 4,
-                "b_stages": 1, "b_gemv_max_m": 0, "b_gemv_rows": 8, "b_gemv_warps": 4,
-                "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # The interpreter runs programs one after another: few, large programs; pointer loads.
+        return {"a_slices": 1, "b_block_n": max(16, min(256, p2(-(-hidden // W)))), "b_swap_ab": False,
+                "b_tma": False, "b_warps": 4, "b_stages": 1, "c_block": max(16, min(8192, p2(hidden))),
+                "c_programs": 1}
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
-    bn = 32 if shard >= 32 else 16
-    n_blocks = -(-shard // bn)
-    split, bk = 1, 128
-    for s in (16, 8, 4, 2, 1):
-        if n_blocks * s > sms + sms // 4:
-            continue
-        cand = [k for k in (256, 128, 64) if latent % (k * s) == 0]
-        if cand:
-            split, bk = s, cand[0]
-            break
-    # GEMV for M = 1 only by default: on the H200 (bench_tail.json, df25f34) it took 3.90 us vs
-    # 6.05 tiled at M = 1 (W = 8 shard), but lost at M = 4 (6.06 vs 5.2-5.8; 10.8 vs 7.5 at W = 4)
-    return {"a_slices": slices, "b_block_n": bn, "b_block_k": bk, "b_split_k": split, "b_warps": 4,
-            "b_stages": 4, "b_gemv_max_m": 1, "b_gemv_rows": 8, "b_gemv_warps": 8,
+    # B: the projection family's decode tile (weights on the MMA's M side, 16 shard rows per program,
+    # TMA loads, a deep pipeline): every weight row streams once at any M <= 16
+    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": True, "b_warps": 4, "b_stages": 32,
             "c_block": 1024, "c_programs": 16}
 
 
-def _check_tactics(t: dict, latent: int) -> None:
-    for k in ("a_slices", "b_block_n", "b_block_k", "b_split_k", "b_warps", "b_stages", "c_block",
-              "c_programs"):
-        if not isinstance(t.get(k), int) or t[k] < 1:
+def _check_tactics(t: dict) -> None:
+    for k in ("a_slices", "b_block_n", "b_warps", "b_stages", "c_block", "c_programs"):
+        if not isinstance(t.get(k), int) or isinstance(t.get(k), bool) or t[k] < 1:
             raise ValueError(f"tactics[{k!r}] must be a positive int, got {t.get(k)!r}")
     if t["a_slices"] > _SQ_STRIDE:
         raise ValueError(f"tactics['a_slices'] must be <= {_SQ_STRIDE}, got {t['a_slices']}")
-    if t["b_split_k"] > _MAX_SPLIT_K:
-        raise ValueError(f"tactics['b_split_k'] must be <= {_MAX_SPLIT_K}, got {t['b_split_k']}")
-    for k in ("b_block_n", "b_block_k", "c_block"):
+    for k in ("b_block_n", "c_block"):
         if t[k] < 16 or t[k] & (t[k] - 1):
             raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
-    g = t.get("b_gemv_max_m")
-    if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g <= _MAX_GEMV_M:
-        raise ValueError(f"tactics['b_gemv_max_m'] must be an int in 0..{_MAX_GEMV_M} (0 = no GEMV), got {g!r}")
-    for k, hi in (("b_gemv_rows", _MAX_GEMV_ROWS), ("b_gemv_warps", 32)):
-        v = t.get(k)
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi or v & (v - 1):
-            raise ValueError(f"tactics[{k!r}] must be a power of two in 1..{hi}, got {v!r}")
-    if g and t["b_gemv_rows"] * L.next_pow2(latent) > _MAX_NUMEL:
-        raise ValueError(f"tactics['b_gemv_rows'] ({t['b_gemv_rows']}) x latent padded to a power of two "
-                         f"({L.next_pow2(latent)}) exceeds Triton's largest block ({_MAX_NUMEL})")
+    for k in ("b_swap_ab", "b_tma"):
+        if not isinstance(t.get(k), bool):
+            raise ValueError(f"tactics[{k!r}] must be a bool, got {t.get(k)!r}")
 
 
-def _b_constexprs(t: dict, *, hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool,
-                  use_pdl: bool) -> dict:
-    return dict(HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
-                PAD_BYTES=lay["pad_off"], BLOCK_M_=BLOCK_M, BLOCK_N=t["b_block_n"],
-                BLOCK_K=t["b_block_k"], SPLIT_K=t["b_split_k"],
-                EVEN_K=latent % (t["b_block_k"] * t["b_split_k"]) == 0, EVEN_N=shard % t["b_block_n"] == 0,
-                MULTICAST=multicast, USE_PDL=use_pdl, num_stages=t["b_stages"])
-
-
-def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank: int, *,
+def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl, rank: int, *,
               hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
-    """Kernel B: the GEMV variant for ``M <= b_gemv_max_m``, else the tiled GEMM."""
-    if M <= t["b_gemv_max_m"]:
-        rows = t["b_gemv_rows"]
-        _B_GEMV.variant(
-            HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"],
-            PAD_BYTES=lay["pad_off"], ROWS=rows, K_P2=L.next_pow2(latent), M_P2=L.next_pow2(M),
-            EVEN_N=shard % rows == 0, MULTICAST=multicast, USE_PDL=pdl, num_warps=t["b_gemv_warps"], pdl=pdl)(
-            (-(-shard // rows),), normed, up_weight, rs32, prefix, table, mc, ctrl, rank, M)
-        return
-    n_blocks = -(-shard // t["b_block_n"])
-    c = _b_constexprs(t, hidden=hidden, latent=latent, shard=shard, W=W, lay=lay, multicast=multicast, use_pdl=pdl)
-    stages = c.pop("num_stages")
-    _B.variant(num_warps=t["b_warps"], num_stages=stages, pdl=pdl, **c)(
-        (n_blocks * t["b_split_k"],), normed, up_weight, rs32, prefix, part, cnt, table, mc, ctrl, rank, M)
+    """Kernel B: one program per ``b_block_n`` shard rows.  With ``b_tma`` (and TMA-able operands:
+    unit K stride, 16-byte aligned rows) ``normed[0:M]`` and the weight shard are read through host
+    TMA descriptors, else through pointers: the same bits either way."""
+    use_tma = bool(t["b_tma"]) and not interpret_mode() and tma_ok(normed, up_weight)
+    nd = wd = None
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        nd = TensorDescriptor(normed, [M, latent], [normed.stride(0), 1], [BLOCK_M, GEMM_BLOCK_K.value])
+        wd = TensorDescriptor(up_weight, [shard, latent], [up_weight.stride(0), 1],
+                              [t["b_block_n"], GEMM_BLOCK_K.value])
+    _B.variant(num_warps=t["b_warps"], num_stages=t["b_stages"], pdl=pdl,
+               HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"], PAD_BYTES=lay["pad_off"],
+               BLOCK_M_=BLOCK_M, BLOCK_N=t["b_block_n"], SWAP_AB=t["b_swap_ab"], USE_TMA=use_tma,
+               MULTICAST=multicast, USE_PDL=pdl)(
+        (-(-shard // t["b_block_n"]),), normed, up_weight, rs32, prefix, nd, wd, table, mc, ctrl, rank, M)
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -171,16 +137,8 @@ class _Set:
     sq: torch.Tensor
     rs32: torch.Tensor
     cnt_a: torch.Tensor
-    cnt_b: torch.Tensor
     mc: torch.Tensor
     dummy_idx: torch.Tensor
-    part: Optional[torch.Tensor] = None
-
-    def ensure_part(self, split_k: int, shard: int) -> torch.Tensor:
-        need = split_k * BLOCK_M * shard
-        if self.part is None or self.part.numel() < need:
-            self.part = torch.zeros(need, dtype=torch.float32, device=self.ws.device)
-        return self.part
 
 
 @dataclass
@@ -208,7 +166,6 @@ def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype) -> _Set:
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
     return _Set(ws=ws, layout=lay, normed=z(rows, latent, dt=dtype), sum32=z(rows, latent),
                 sq=z(rows, _SQ_STRIDE, dt=torch.float64), rs32=z(rows, shard), cnt_a=z(rows, dt=torch.int32),
-                cnt_b=z(_CNT_B, dt=torch.int32),
                 mc=torch.tensor([ws.multicast_ptr], dtype=torch.int64, device=dev),
                 dummy_idx=z(1, dt=torch.int32))
 
@@ -285,12 +242,8 @@ class LatentTail:
             if unknown:
                 raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(t)})")
             t.update(tactics)
-        _check_tactics(t, latent)
+        _check_tactics(t)
         self.tactics = t
-        if t["b_split_k"] > 1:
-            if -(-self.shard // t["b_block_n"]) > _CNT_B:
-                raise ValueError("tactics: too many B blocks for the split-K counters")
-            self._set.ensure_part(t["b_split_k"], self.shard)
 
     @property
     def slot_set(self):
@@ -301,9 +254,7 @@ class LatentTail:
         """Kernel B's multicast stores go in 32-bit pairs of columns: only where the workspace has
         a multicast address (never on this project's machines), the shard width is even and
         the N tile of the variant that runs is even; otherwise unicast (same values)."""
-        t = self.tactics
-        n_tile = t["b_gemv_rows"] if 0 < M <= t["b_gemv_max_m"] else t["b_block_n"]
-        return self.ws.multicast_ptr != 0 and self.shard % 2 == 0 and n_tile % 2 == 0
+        return self.ws.multicast_ptr != 0 and self.shard % 2 == 0 and self.tactics["b_block_n"] % 2 == 0
 
     # ------------------------------------------------------------------ pool
     def _acquire_set(self, dev: torch.device) -> _Set:
@@ -393,8 +344,7 @@ class LatentTail:
             st.normed, st.sum32, st.sq, st.rs32, st.cnt_a, ws.table, ws.ctrl, ws.host_flag, clock,
             ws.rank, M, timeout_ns, *self._scalars32)
         # ---- B
-        part = st.part if t["b_split_k"] > 1 else st.sum32
-        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, part, st.cnt_b, ws.table, st.mc, ws.ctrl,
+        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, ws.table, st.mc, ws.ctrl,
                   ws.rank, hidden=H, latent=Lt, shard=S, W=W, lay=st.layout,
                   multicast=self._multicast_ok(M), pdl=pdl)
         # ---- C
@@ -412,8 +362,7 @@ _standalone: dict = {}
 
 def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                tactics: Optional[dict] = None) -> torch.Tensor:
-    """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``
-    (its GEMV variant when ``M <= tactics["b_gemv_max_m"]``).
+    """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``.
 
     For the benchmark and tests: the "mailbox" is ``out`` itself, the shared shard and
     the prefix are zeros, so the result is the fp32-accumulated product rounded once.
@@ -434,20 +383,21 @@ def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[t
     dev = normed.device
     t = default_tactics(hidden=N, latent=Lt, W=1, device=dev)
     if tactics:
+        unknown = set(tactics) - set(t)
+        if unknown:
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(t)})")
         t.update(tactics)
-    _check_tactics(t, Lt)
-    k = (out.data_ptr(), M, N, Lt, normed.dtype, dev, t["b_split_k"])
+    _check_tactics(t)
+    k = (out.data_ptr(), M, N, Lt, normed.dtype, dev)
     h = _standalone.get(k)
     if h is None:
         h = {"table": torch.tensor([out.data_ptr()], dtype=torch.int64, device=dev),
              "rs32": torch.zeros(BLOCK_M, N, dtype=torch.float32, device=dev),
              "prefix": torch.zeros(M, N, dtype=normed.dtype, device=dev),
-             "part": torch.zeros(max(1, t["b_split_k"]) * BLOCK_M * N, dtype=torch.float32, device=dev),
-             "cnt": torch.zeros(_CNT_B, dtype=torch.int32, device=dev),
              "mc": torch.zeros(1, dtype=torch.int64, device=dev),
              "ctrl": torch.zeros(CTRL_WORDS, dtype=torch.int32, device=dev)}
         _standalone[k] = h
     lay = {"mb_off": 0, "pad_off": 0}
-    _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["part"], h["cnt"], h["table"], h["mc"],
-              h["ctrl"], 0, hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False)
+    _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["table"], h["mc"], h["ctrl"], 0,
+              hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False)
     return out

@@ -69,6 +69,8 @@ def spec_key(arg, specialize: bool):
         return (arg.dtype, specialize and arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool) or arg is None or isinstance(arg, float):
         return type(arg)
+    if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a host TMA descriptor: its dtype and box
+        return (type(arg), arg.base.dtype, tuple(arg.block_shape))
     if isinstance(arg, int):
         cls = 0 if _I32[0] <= arg <= _I32[1] else (2 if 2 ** 63 <= arg <= 2 ** 64 - 1 else 1)
         if not specialize:

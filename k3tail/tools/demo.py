@@ -30,7 +30,7 @@ from k3tail.testing import tail_inputs
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 SMALL = dict(hidden=512, latent=256, top_k=4)
-CPU_TACTICS = {"project": {"triton_max_m": 0}}
+CPU_TACTICS = {}  # (the interpreter runs the projection GEMM with large tiles)
 
 
 def add_arguments(parser):

@@ -1,0 +1,487 @@
+"""The MoE tail's projection GEMM family: one K reduction order at every M (DESIGN §10, issue 21).
+
+    out[M, N] = round( (prefix[M, N] + normed[M, K] @ W[N, K]^T) + shared[M, N] )
+
+Contract
+========
+No communication, no slots, no atomics: there is no Lamport protocol in this file.  Each
+output element is written by exactly one program, once (tiles do not overlap; a persistent
+program visits each of its tiles once), so the result has no races and no run-to-run variation.
+
+Buffers (read only unless named):
+  * ``normed [M, K]`` (bf16/fp16) and ``W [N, K]`` (same dtype, row-major: a row shard of the
+    up-projection).  Pointer variant: any strides.  TMA variant: unit stride along K and
+    16-byte aligned bases and row strides (a TMA descriptor's rules; the launcher checks them
+    and otherwise takes the pointer variant, which gives the same bits).
+  * ``prefix [M, N]`` (16-bit, optional), ``shared [M, N]`` (fp32 or 16-bit, optional): any row
+    and column strides (e.g. column slices of a wider tensor).
+  * ``out [M, N]`` (bf16, fp16 or fp32; any strides): written, every element of it, once.
+
+Arithmetic (identical in every variant, every config, every M):
+  * ``acc`` (fp32) starts at zero and takes one ``tl.dot`` per ``BLOCK_K = 64`` chunk of K, in
+    ascending K order: ``acc = tl.dot(A_chunk, B_chunk, acc)`` (:func:`mma_chunk`), tensor
+    cores at every M (never a GEMV/FMA path), no split-K of any kind, no K loop unrolled into
+    independent partial sums;
+  * epilogue in fp32, in exactly this order: ``(prefix + acc) + shared``, then ONE
+    round-to-nearest-even into ``out``'s dtype (:func:`lamport.round_to`; bit-exact under the
+    interpreter too): :func:`finish_tile`, the same operations in the same order as
+    epilogue the family replaced (tests/test_gemm.py checks the bits against the torch epilogue).
+
+Batch invariance (the point of this file)
+=========================================
+Invariant: the fp32 ``acc`` of output element (m, n) is a function of row m of ``normed`` and
+row n of ``W`` only.  It does not depend on M, on the row's position in the batch, on
+BLOCK_M/BLOCK_N, on warps, stages, grid order or persistence, or on whether A and B are
+swapped (weights on the MMA's M side).  What keeps it:
+  1. BLOCK_K is a module constant (64), not a tactic, and the K loop is sequential and
+     ascending: each element's fp32 accumulator goes through the same chain of k16 MMA steps
+     (a 64-wide ``tl.dot`` lowers to four k16 steps, in order), whatever the tile;
+  2. no split-K (no key for it exists) and no second accumulator: the chain is never cut;
+  3. every row/column of an MMA is independent of the others: rows beyond M and columns
+     beyond N are clamped duplicates (pointer variant) or zeros (TMA), never stored, and the
+     K tail past K is zeros in both, so neighbours cannot leak in;
+  4. the epilogue is elementwise (operations and order fixed above);
+  5. the accumulator starts at +0.0 (``tl.zeros``) in every config.
+Observed on the H200 (Triton 3.6): a plain ``tl.dot`` GEMM of this form (BLOCK_K 64,
+sequential K, no split-K) gave bitwise-identical rows across BLOCK_M 16..128, BLOCK_N
+16..256, 2..8 warps, 2..4 stages and A/B swapped, for every M in 1..4096 and N in
+7168/1792/896 -- including ``mma.sync`` tiles (MMA-M side < 64) against ``wgmma`` tiles.
+This is a property of the device model and the Triton version, checked, not proven: the
+interpreter cannot tell (its ``tl.dot`` is numpy).  ``bench/bench_gemm.py`` re-checks it on the
+GPU for every config the launcher may pick (token at first/middle/last position of batches
+M = 1..16, 17, 31, 64, 65, 128, 256, 1024, 4096, 8192; fp32 output, so a 1-ulp fp32
+difference cannot hide behind the rounding), and across variants.  A tuned tactic table must
+only contain configs that passed that check together.
+
+Variants (kernels)
+==================
+``gemm_kernel`` (tactic ``variant="ptr"``): pointer loads (cp.async pipelining on the GPU; runs
+    in the interpreter), one output tile per program, grouped (L2-friendly) tile order.
+    Rows >= M and columns >= N are clamped to row/column 0 for the loads (unmasked, vectorized
+    loads; the duplicates are never stored).
+``gemm_tma_kernel`` (``variant="tma"``): TMA loads through host tensor descriptors
+    (``triton.tools.tensor_descriptor.TensorDescriptor``: the CUtensorMap is a by-value kernel
+    parameter, no global scratch, nothing to allocate; out-of-bounds boxes read zeros),
+    persistent grid (``num_progs`` programs stride over the tiles in grouped order), optional
+    loop flattening (the next tile's loads overlap this tile's epilogue) and Hopper warp
+    specialization (``tl.range(..., warp_specialize=True)``: Triton 3.6 splits a 4-warp
+    program into a TMA producer warpgroup and two wgmma consumer warpgroups on SM90; 12 warps
+    run).  Device-side ``tl.make_tensor_descriptor`` would need ``triton.set_allocator`` and a
+    global-scratch write per program: not used.
+Both take ``SWAP_AB``: the MMA computes ``W_tile @ normed_tile^T`` (weights on the MMA's M
+side, tokens on its N side, ``[BLOCK_N, BLOCK_M]``), transposed before the epilogue: at small M
+the weight stream then spreads over ``cdiv(N, BLOCK_N)`` programs with MMA-N = BLOCK_M >= 16.
+
+The K loop is :func:`k_loop_ptr` / :func:`k_loop_tma` around :func:`mma_chunk`; TAIL_FUSION's
+kernel B (``tail_fusion_b.py``) calls the same helpers, so its arithmetic is this code.
+
+Launch contract (for the launcher in ``k3tail/ops``; :func:`launch_gemm` is the reference one
+the tests and the bench use)
+================================================================================================
+Tactic dict keys (:data:`TACTIC_KEYS`):
+  ``variant`` "ptr" | "tma"; ``block_m`` (token tile, >= 16), ``block_n`` (weight-row tile,
+  >= 16), both powers of two <= 256; ``swap_ab`` bool; ``group_m`` (grouped order, >= 1);
+  ``warps``; ``stages`` (pipeline depth: 16..32 for decode, where the bytes in flight per
+  program set the bandwidth); ``epi_split`` (1, 2 or 4: the epilogue in column slices, fewer
+  live registers; elementwise, so no effect on bits); tma only: ``persistent`` (grid =
+  min(tiles, SMs) instead of one program per tile), ``flatten`` (fuse the tile and K loops so
+  the next tile's loads overlap this tile's epilogue), ``warp_spec`` (Triton 3.6 only, warps 4,
+  epi_split 1, no flatten: :func:`warp_spec_supported`).
+Grid: :func:`grid` (1-D).  ``M`` is not specialized (``do_not_specialize``), nor ``num_progs``;
+``K`` is a constexpr (one per model); ``N`` may be.
+Validation: :func:`check_tactics`.  Candidates (the tuning space): :data:`CANDIDATES`.
+Defaults per M bucket: :data:`DEFAULTS` (M <= 16 decode, M <= 256, larger) until a tuned table
+replaces them.  Any config may serve any M; configs may differ between buckets only if they
+were checked bit-identical together on the device (bench/bench_gemm.py part (b)).
+Must never vary: BLOCK_K (64, not a key), the ascending sequential K loop, the absence of
+split-K, the epilogue's order, tensor-core ``tl.dot`` with fp32 accumulation at every M.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .lamport import INTERPRET, round_to
+
+BLOCK_K = tl.constexpr(64)  # never a tactic: the K chunking is part of the numerics ("Batch invariance")
+
+TACTIC_KEYS = ("variant", "block_m", "block_n", "swap_ab", "group_m", "warps", "stages",
+               "persistent", "flatten", "warp_spec", "epi_split")
+
+
+def _t(variant, block_m, block_n, swap_ab, warps, stages, *, group_m=8, persistent=False, flatten=False,
+       warp_spec=False, epi_split=1) -> dict:
+    return dict(variant=variant, block_m=block_m, block_n=block_n, swap_ab=swap_ab, group_m=group_m,
+                warps=warps, stages=stages, persistent=persistent, flatten=flatten, warp_spec=warp_spec,
+                epi_split=epi_split)
+
+
+# The tuning space the H200 run sweeps (bench/bench_gemm.py): name -> (tactic, the M values it is
+# timed at).  Every candidate is also checked for invariance at every M against all the others.
+# Decode (M <= 16): weights on the MMA's M side (swap_ab), deep pipelines: the whole cost is the
+# weight stream, spread over cdiv(N, block_n) programs (56 at the W = 8 shard with block_n 16), and
+# with no split-K the bytes in flight per program are what sets the bandwidth.
+CANDIDATES = {
+    # decode: mma.sync tiles (MMA-M 16/32) ...
+    "p_s16x16_w4_s16": (_t("ptr", 16, 16, True, 4, 16, group_m=1), (1, 4, 16)),
+    "p_s16x16_w4_s32": (_t("ptr", 16, 16, True, 4, 32, group_m=1), (1, 4, 16)),
+    "p_s16x32_w4_s16": (_t("ptr", 16, 32, True, 4, 16, group_m=1), (1, 4, 16)),
+    "t_s16x16_w4_s12": (_t("tma", 16, 16, True, 4, 12, group_m=1), (1, 4, 16, 64)),  # ~4 programs / SM
+    "t_s16x16_w4_s16": (_t("tma", 16, 16, True, 4, 16, group_m=1), (1, 4, 16)),
+    "t_s16x16_w4_s32": (_t("tma", 16, 16, True, 4, 32, group_m=1), (1, 4, 16, 64)),
+    "t_s16x16_w2_s24": (_t("tma", 16, 16, True, 2, 24, group_m=1), (1, 4, 16)),
+    "t_s16x32_w4_s12": (_t("tma", 16, 32, True, 4, 12, group_m=1), (1, 4, 16, 64)),
+    "t_s16x32_w4_s24": (_t("tma", 16, 32, True, 4, 24, group_m=1), (1, 4, 16, 64)),
+    # ... and wgmma tiles (MMA-M 64) in case mma.sync and wgmma bits differ on the device
+    "t_s16x64_w4_s16": (_t("tma", 16, 64, True, 4, 16, group_m=1), (1, 4, 16, 64)),
+    "t_n64x16_w4_s16": (_t("tma", 64, 16, False, 4, 16, group_m=1), (1, 4, 16, 64, 256)),
+    "p_n64x16_w4_s12": (_t("ptr", 64, 16, False, 4, 12, group_m=1), (1, 4, 16, 64)),
+    # small M
+    "t_s64x32_w4_s12": (_t("tma", 64, 32, True, 4, 12), (64, 256)),
+    "t_s64x64_w4_s8": (_t("tma", 64, 64, True, 4, 8), (64, 256, 1024)),
+    "t_n64x64_w4_s8": (_t("tma", 64, 64, False, 4, 8), (64, 256, 1024)),
+    "t_n64x128_w4_s6": (_t("tma", 64, 128, False, 4, 6), (64, 256, 1024)),
+    "p_n64x64_w4_s8": (_t("ptr", 64, 64, False, 4, 8), (64, 256, 1024)),
+    "t_n128x128_w8_s4": (_t("tma", 128, 128, False, 8, 4), (256, 1024, 8192)),
+    # large M: TMA, persistent, grouped order, 128x256 tiles, 8 warps (or 4 + warp specialization)
+    "t_n128x256_w8_s3_p_e2": (_t("tma", 128, 256, False, 8, 3, persistent=True, epi_split=2), (1024, 8192)),
+    "t_n128x256_w8_s4_p_e4": (_t("tma", 128, 256, False, 8, 4, persistent=True, epi_split=4), (1024, 8192)),
+    "t_n128x256_w8_s3_pf_e2": (_t("tma", 128, 256, False, 8, 3, persistent=True, flatten=True, epi_split=2),
+                               (1024, 8192)),
+    "t_n128x256_w8_s3_e2": (_t("tma", 128, 256, False, 8, 3, epi_split=2), (1024, 8192)),
+    "t_n128x256_w4_s3_p_ws": (_t("tma", 128, 256, False, 4, 3, persistent=True, warp_spec=True), (1024, 8192)),
+    "t_n128x128_w4_s4_p_ws": (_t("tma", 128, 128, False, 4, 4, persistent=True, warp_spec=True), (1024, 8192)),
+    "t_n128x128_w8_s4_p": (_t("tma", 128, 128, False, 8, 4, persistent=True), (1024, 8192)),
+    "t_n256x128_w8_s3_p_e2": (_t("tma", 256, 128, False, 8, 3, persistent=True, epi_split=2), (1024, 8192)),
+    "t_n64x128_w4_s4_p": (_t("tma", 64, 128, False, 4, 4, persistent=True), (1024, 8192)),
+    "p_n128x256_w8_s3_e2": (_t("ptr", 128, 256, False, 8, 3, epi_split=2), (1024, 8192)),
+}
+
+# Guesses until the H200 run picks winners; keyed by the largest M of the bucket (None: the
+# rest).  They must pass the invariance check together (bench/bench_gemm.py part (b)).
+DEFAULTS = {
+    16: "t_s16x16_w4_s32",
+    256: "t_n64x64_w4_s8",
+    None: "t_n128x256_w8_s3_p_e2",
+}
+
+
+def default_tactics(M: int) -> dict:
+    """The default tactic for a batch of M tokens (:data:`DEFAULTS`)."""
+    for top, name in DEFAULTS.items():
+        if top is None or M <= top:
+            return dict(CANDIDATES[name][0])
+    raise AssertionError("unreachable")
+
+
+def warp_spec_supported() -> bool:
+    """``warp_spec`` compiles on SM90 with Triton 3.6 (its Hopper warp specialization splits the
+    4-warp program into producer + 2 consumer warpgroups).  Triton 3.9's pass rejects the host
+    descriptor's full-height box after splitting the tile (seen compiling for sm_90 here):
+    a tactic table for 3.9 must not carry it."""
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+
+
+def check_tactics(t: dict) -> None:
+    """Raise ValueError unless ``t`` is a valid tactic of this family (keys :data:`TACTIC_KEYS`).
+    BLOCK_K and the K order are not tactics: no key can change them."""
+    unknown = set(t) - set(TACTIC_KEYS)
+    if unknown:
+        raise ValueError(f"unknown gemm tactic keys {sorted(unknown)} (BLOCK_K and split-K are not tactics)")
+    missing = set(TACTIC_KEYS) - set(t)
+    if missing:
+        raise ValueError(f"gemm tactic misses {sorted(missing)}")
+    if t["variant"] not in ("ptr", "tma"):
+        raise ValueError(f"variant must be 'ptr' or 'tma', got {t['variant']!r}")
+    for k, lo, hi in (("block_m", 16, 256), ("block_n", 16, 256), ("warps", 1, 16), ("epi_split", 1, 4)):
+        v = t[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi or v & (v - 1):
+            raise ValueError(f"{k} must be a power of two in {lo}..{hi}, got {v!r}")
+    for k in ("group_m", "stages"):
+        if not isinstance(t[k], int) or isinstance(t[k], bool) or not 1 <= t[k] <= 64:
+            raise ValueError(f"{k} must be an int in 1..64, got {t[k]!r}")
+    for k in ("swap_ab", "persistent", "flatten", "warp_spec"):
+        if not isinstance(t[k], bool):
+            raise ValueError(f"{k} must be a bool, got {t[k]!r}")
+    if t["block_n"] // t["epi_split"] < 16:
+        raise ValueError(f"epi_split {t['epi_split']} leaves column slices under 16 of block_n {t['block_n']}")
+    if t["variant"] == "ptr" and (t["persistent"] or t["flatten"] or t["warp_spec"]):
+        raise ValueError("persistent, flatten and warp_spec are tma-only")
+    if t["warp_spec"] and (t["flatten"] or t["epi_split"] != 1 or t["warps"] != 4):
+        raise ValueError("warp_spec needs warps=4, epi_split=1 and no flatten (Triton 3.6 SM90 warp specialization)")
+
+
+def grid(M: int, N: int, t: dict, num_sms: int) -> tuple:
+    """1-D grid of a tactic: one program per output tile, or ``min(tiles, num_sms)`` programs
+    for a persistent tma config.  Returns ``(programs,)``; the tma kernel also takes the
+    program count as its ``num_progs`` argument."""
+    tiles = triton.cdiv(M, t["block_m"]) * triton.cdiv(N, t["block_n"])
+    if t.get("variant") == "tma" and t.get("persistent"):
+        return (max(1, min(tiles, num_sms)),)
+    return (tiles,)
+
+
+# ------------------------------------------------------------------ shared device helpers
+@triton.jit
+def mma_chunk(a, w, acc, SWAP_AB: tl.constexpr):
+    """One BLOCK_K chunk of the K loop: ``acc += a @ w^T`` (``a [BM, BK]`` tokens, ``w [BN, BK]``
+    weight rows, ``acc [BM, BN]`` fp32), or with SWAP_AB ``acc += w @ a^T`` (``acc [BN, BM]``).
+    Tensor-core ``tl.dot`` with the fp32 accumulator as its C operand: the only place the
+    family multiplies."""
+    if INTERPRET:
+        # Triton 3.6's interpreter multiplies the raw bits of bf16 operands: widen to fp32
+        # first (exact: 16-bit products are exact in fp32) and multiply in IEEE fp32.
+        if SWAP_AB:
+            acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
+               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The K loop with pointer loads: rows ``rm_ld`` of A (int64, already clamped into range)
+    and rows ``rn_ld`` of W (int64, clamped), all of K in ascending BLOCK_K chunks.  Returns
+    the fp32 accumulator in MMA orientation (``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]``
+    with SWAP_AB).  Only the K tail is masked (zeros: they add nothing to any product sum)."""
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm_ld[:, None] * stride_am + rk[None, :] * stride_ak
+    w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + rk[None, :] * stride_wk
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    for kt in range(K_TILES):  # constexpr trip count: sequential, ascending (never split)
+        if (K // BLOCK_K) * BLOCK_K == K:  # (int % constexpr is missing in the interpreter)
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            kmask = (kt * BLOCK_K + rk) < K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+        acc = mma_chunk(a, w, acc, SWAP_AB)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """:func:`k_loop_ptr` with TMA loads: boxes ``[BLOCK_M, BLOCK_K]`` of A at row ``off_m`` and
+    ``[BLOCK_N, BLOCK_K]`` of W at row ``off_n`` (rows and K beyond the tensors read zeros).
+    Same chunks, same order, same :func:`mma_chunk`."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    for kt in range(K_TILES):
+        a = a_desc.load([off_m, kt * BLOCK_K])
+        w = w_desc.load([off_n, kt * BLOCK_K])
+        acc = mma_chunk(a, w, acc, SWAP_AB)
+    return acc
+
+
+@triton.jit
+def combine(acc, p, s, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
+    """The epilogue's arithmetic, in fp32 and in this order: ``(prefix + acc) + shared`` (the
+    operands already loaded, any dtype; the caller rounds once).  TAIL_FUSION's kernel B uses it
+    too, so every tier adds in the same order."""
+    if HAS_PREFIX:
+        acc = p.to(tl.float32) + acc
+    if HAS_SHSUM:
+        acc = acc + s.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mask,
+                stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
+    """The epilogue contract: ``(prefix + acc) + shared`` in fp32 (:func:`combine`), then one RNE
+    rounding into ``out`` (``acc`` fp32 ``[BM, BN]`` at rows ``rm64``, columns ``rn64``, both
+    int64).  The same operations in the same order as the torch epilogue ``(prefix + acc) + shared``."""
+    p = 0.0
+    s = 0.0
+    if HAS_PREFIX:
+        p = tl.load(prefix_ptr + rm64[:, None] * stride_pm + rn64[None, :] * stride_pn, mask=mask, other=0.0)
+    if HAS_SHSUM:
+        s = tl.load(shsum_ptr + rm64[:, None] * stride_sm + rn64[None, :] * stride_sn, mask=mask, other=0.0)
+    acc = combine(acc, p, s, HAS_PREFIX, HAS_SHSUM)
+    tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :] * stride_on,
+             round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M M-tiles share a sweep over N (the W tiles stay in L2)."""
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pm = first_m + (tile % in_group) % gsize
+    pn = (tile % in_group) // gsize
+    return pm, pn
+
+
+@triton.jit
+def _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, off_m, off_n, M, N,
+                stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+                EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
+    """Orient ``acc`` as ``[BLOCK_M, BLOCK_N]`` and run :func:`finish_tile` on it, in EPI_SPLIT
+    column slices (elementwise: the slicing cannot change a bit)."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    rm64 = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mmask = rm64 < M
+    if EPI_SPLIT == 1:
+        rn64 = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mmask[:, None] & (rn64 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+    elif EPI_SPLIT == 2:
+        SUB: tl.constexpr = BLOCK_N // 2
+        c0, c1 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, SUB]), [0, 2, 1]))
+        rn0 = (off_n + tl.arange(0, SUB)).to(tl.int64)
+        finish_tile(c0, prefix_ptr, shsum_ptr, out_ptr, rm64, rn0, mmask[:, None] & (rn0 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+        rn1 = rn0 + SUB
+        finish_tile(c1, prefix_ptr, shsum_ptr, out_ptr, rm64, rn1, mmask[:, None] & (rn1 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+    else:
+        tl.static_assert(EPI_SPLIT == 4, "epi_split must be 1, 2 or 4")
+        SUB4: tl.constexpr = BLOCK_N // 4
+        h0, h1 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+        c0, c1 = tl.split(tl.permute(tl.reshape(h0, [BLOCK_M, 2, SUB4]), [0, 2, 1]))
+        c2, c3 = tl.split(tl.permute(tl.reshape(h1, [BLOCK_M, 2, SUB4]), [0, 2, 1]))
+        rn0 = (off_n + tl.arange(0, SUB4)).to(tl.int64)
+        finish_tile(c0, prefix_ptr, shsum_ptr, out_ptr, rm64, rn0, mmask[:, None] & (rn0 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+        rn1 = rn0 + SUB4
+        finish_tile(c1, prefix_ptr, shsum_ptr, out_ptr, rm64, rn1, mmask[:, None] & (rn1 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+        rn2 = rn1 + SUB4
+        finish_tile(c2, prefix_ptr, shsum_ptr, out_ptr, rm64, rn2, mmask[:, None] & (rn2 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+        rn3 = rn2 + SUB4
+        finish_tile(c3, prefix_ptr, shsum_ptr, out_ptr, rm64, rn3, mmask[:, None] & (rn3 < N)[None, :],
+                    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on, HAS_PREFIX, HAS_SHSUM)
+
+
+# ------------------------------------------------------------------ kernels
+@triton.jit(do_not_specialize=["M"])
+def gemm_kernel(
+    a_ptr, w_ptr, prefix_ptr, shsum_ptr, out_ptr, M, N,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_pm, stride_pn, stride_sm, stride_sn,
+    stride_om, stride_on,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
+):
+    """Pointer variant: one ``[BLOCK_M, BLOCK_N]`` output tile per program (grid :func:`grid`)."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    pm, pn = tile_coords(tl.program_id(0), num_m, num_n, GROUP_M)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past M / columns past N load row 0 (in range; never stored): unmasked loads
+    rm_ld = tl.where(rm < M, rm, 0).to(tl.int64)
+    rn_ld = tl.where(rn < N, rn, 0).to(tl.int64)
+    acc = k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
+                     K, BLOCK_M, BLOCK_N, SWAP_AB)
+    _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, pm * BLOCK_M, pn * BLOCK_N, M, N,
+                stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                BLOCK_M, BLOCK_N, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+
+
+@triton.jit
+def _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
+              stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+              K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+              SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
+              HAS_SHSUM: tl.constexpr):
+    pm, pn = tile_coords(tile, num_m, num_n, GROUP_M)
+    acc = k_loop_tma(a_desc, w_desc, pm * BLOCK_M, pn * BLOCK_N, K, BLOCK_M, BLOCK_N, SWAP_AB)
+    _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, pm * BLOCK_M, pn * BLOCK_N, M, N,
+                stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                BLOCK_M, BLOCK_N, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+
+
+@triton.jit(do_not_specialize=["M", "num_progs"])
+def gemm_tma_kernel(
+    a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_progs,
+    stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
+):
+    """TMA variant: ``num_progs`` programs (grid :func:`grid`) walk the tiles in grouped order,
+    program p taking tiles p, p + num_progs, ...  ``a_desc``: host descriptor of normed
+    ``[M, K]`` with block ``[BLOCK_M, 64]``; ``w_desc``: of W ``[N, K]`` with block ``[BLOCK_N, 64]``."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    num_tiles = num_m * num_n
+    if INTERPRET:
+        # Triton 3.6's interpreter cannot run a for loop with run-time bounds: same tiles, a while
+        tile = tl.program_id(0)
+        while tile < num_tiles:
+            _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
+                      stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                      K, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+            tile += num_progs
+    else:
+        for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
+            _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
+                      stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
+                      K, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+
+
+# ------------------------------------------------------------------ reference launch
+def tma_ok(a, w) -> bool:
+    """Can ``a [M, K]`` and ``w [N, K]`` be read through TMA descriptors (unit K stride,
+    16-byte aligned bases and row strides)?"""
+    es = a.element_size()
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 for t in (a, w))
+
+
+def gemm_launch(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132):
+    """Reference launch of one tactic ``t`` (keys :data:`TACTIC_KEYS`) for ``out = round((prefix +
+    a @ w^T) + shared)``, as ``(kernel, grid, args, kwargs)``: run it with
+    ``kernel[grid](*args, **kwargs)`` (:func:`launch_gemm`).  No validation beyond asserts (the
+    package launcher in k3tail/ops owns that); ``num_sms`` sizes a persistent grid.  The tma
+    variant builds host ``TensorDescriptor`` objects (filled into CUtensorMaps at launch; a
+    CUDA graph captures them by value)."""
+    M, K = a.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and tuple(out.shape) == (M, N) and a.dtype == w.dtype
+    pf = prefix if prefix is not None else out  # never read (HAS_PREFIX / HAS_SHSUM False)
+    sh = shared if shared is not None else out
+    kw = dict(K=K, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
+              SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1), HAS_PREFIX=prefix is not None,
+              HAS_SHSUM=shared is not None, num_warps=t["warps"], num_stages=t["stages"])
+    g = grid(M, N, t, num_sms)
+    tail = (pf.stride(0), pf.stride(1), sh.stride(0), sh.stride(1), out.stride(0), out.stride(1))
+    if t["variant"] == "ptr":
+        return gemm_kernel, g, (a, w, pf, sh, out, M, N, a.stride(0), a.stride(1), w.stride(0), w.stride(1)) + tail, kw
+    assert t["variant"] == "tma" and tma_ok(a, w), "tma variant needs unit K stride and 16-byte alignment"
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [t["block_m"], BLOCK_K.value])
+    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [t["block_n"], BLOCK_K.value])
+    kw.update(FLATTEN=bool(t.get("flatten")), WARP_SPEC=bool(t.get("warp_spec")))
+    return gemm_tma_kernel, g, (a_desc, w_desc, pf, sh, out, M, N, g[0]) + tail, kw
+
+
+def launch_gemm(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132):
+    """Launch :func:`gemm_launch`'s kernel; returns ``out``."""
+    kernel, g, args, kw = gemm_launch(t, a, w, out, prefix, shared, num_sms=num_sms)
+    kernel[g](*args, **kw)
+    return out
