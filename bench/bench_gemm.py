@@ -179,29 +179,26 @@ for name in names:
 """
 
 
-def gpu_smoke(names, *, K: int, N: int, num_sms: int, dev: str = "cuda") -> dict:
-    """Launch every candidate once (M = 1 and 300) in a child process, so a config that faults
-    (an illegal address poisons a CUDA context) or computes garbage is dropped before the main
-    run; after a crash the child restarts with the configs that had not run.  Returns
-    {name: why} for the dropped ones."""
-    remaining, bad = list(names), {}
+def gpu_smoke(names, *, K: int, N: int, num_sms: int, dev: str = "cuda", per_config_s: float = 40.0) -> dict:
+    """Launch every candidate once (M = 1 and 300) in a child process of its own, so a config that
+    faults (an illegal address poisons a CUDA context), hangs (killed after ``per_config_s``) or
+    computes garbage is dropped before the main run.  Returns {name: why} for the dropped ones."""
+    bad = {}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" or dev != "cuda"}
-    while remaining:
-        r = subprocess.run([sys.executable, "-c", _SMOKE, json.dumps(remaining), str(K), str(N), str(num_sms), dev],
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-        seen = 0
-        for line in r.stdout.splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0] in ("ok", "wrong") and parts[1] in remaining:
-                seen += 1
-                if parts[0] == "wrong":
-                    bad[parts[1]] = f"wrong result (max rel err {parts[2]})"
-        remaining = remaining[seen:]
-        if r.returncode == 0 or not remaining:
-            break
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1][:200]
-        bad[remaining[0]] = f"crashed the smoke process: {tail}"
-        remaining = remaining[1:]
+    for name in names:
+        try:
+            r = subprocess.run([sys.executable, "-c", _SMOKE, json.dumps([name]), str(K), str(N), str(num_sms), dev],
+                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=per_config_s)
+        except subprocess.TimeoutExpired:
+            bad[name] = f"hung: no result within {per_config_s:.0f} s"
+            log(f"(0) smoke {name}: HUNG")
+            continue
+        line = (r.stdout.strip().splitlines() or [""])[-1].split()
+        if r.returncode != 0 or len(line) != 3:
+            bad[name] = f"crashed the smoke process: {(r.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+        elif line[0] == "wrong":
+            bad[name] = f"wrong result (max rel err {line[2]})"
+        log(f"(0) smoke {name}: {bad.get(name, 'ok')}")
     return bad
 
 
