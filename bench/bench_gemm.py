@@ -20,7 +20,7 @@
     it lists (of 1, 4, 16, 64, 256, 1024, 8192) for each N; cuBLAS ``torch.mm`` (bf16 out) and
     ``torch.mm(out_dtype=fp32)`` + the torch epilogue ``(prefix + acc) + shared`` timed in the same
     run; the winner of each shape also timed with its fused epilogue (prefix bf16, shared fp32).
-(d) TAIL_FUSION's kernel B alone (``k3tail.tail.shard_gemm``) with the decode candidates' tactics
+(d) TAIL_FUSION's kernel B alone (``k3tail.ops.tail.shard_gemm``) with the decode candidates' tactics
     at M = 1, 4, 16 for the W = 4 and 8 shards, against bench/results/bench_tail.json (today's
     GEMV / split-K kernel B).
 (c) a short table last; JSON ``<out>/gemm_<device>.json`` (device, date, commit, torch/triton,
@@ -408,11 +408,11 @@ def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, f
 
 
 def run_kernel_b(names, *, K, Ns, Ms, dev, dtype, timer, budget_s, dry, failed) -> list:
-    """(d) TAIL_FUSION's kernel B alone (``k3tail.tail.shard_gemm``: world size 1, the mailbox is
+    """(d) TAIL_FUSION's kernel B alone (``k3tail.ops.tail.shard_gemm``: world size 1, the mailbox is
     ``out``) with the tactics of the decode candidates it can take (16 token rows), weights
     rotating, against today's numbers in bench/results/bench_tail.json where present."""
     try:
-        from k3tail.tail import shard_gemm
+        from k3tail.ops.tail import shard_gemm
     except Exception as e:  # the package layout moved: the lead's launcher replaces this
         log(f"(d) kernel B skipped: {type(e).__name__}: {e}")
         return []
