@@ -158,10 +158,11 @@ CANDIDATES = {
     "p_n128x256_w8_s3_e2": (_t("ptr", 128, 256, False, 8, 3, epi_split=2), (1024, 8192)),
 }
 
-# Guesses until the H200 run picks winners; keyed by the largest M of the bucket (None: the
-# rest).  They must pass the invariance check together (bench/bench_gemm.py part (b)).
+# Picked on the H200 (bench/results/gemm_nvidia_h200.json, Triton 3.6, c6d2f4b): the fastest of the
+# candidates that form one bit-class (every candidate timed there gave the same bits at every M and
+# position), per bucket of M (the largest M it serves; None: the rest).
 DEFAULTS = {
-    16: "t_s16x16_w4_s32",
+    16: "p_s16x16_w4_s16",
     256: "t_n64x64_w4_s8",
     None: "t_n128x256_w8_s3_p_e2",
 }

@@ -67,9 +67,10 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
                 "b_tma": False, "b_warps": 4, "b_stages": 1, "c_block": max(16, min(8192, p2(hidden))),
                 "c_programs": 1}
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
-    # B: the projection family's decode tile (weights on the MMA's M side, 16 shard rows per program,
-    # TMA loads, a deep pipeline): every weight row streams once at any M <= 16
-    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": True, "b_warps": 4, "b_stages": 32,
+    # B: the projection family's decode tile (gemm.DEFAULTS[16]: weights on the MMA's M side, 16 shard
+    # rows per program, pointer loads, 16 stages; the fastest kernel B of the H200 run,
+    # bench/results/gemm_nvidia_h200.json part (d))
+    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 4, "b_stages": 16,
             "c_block": 1024, "c_programs": 16}
 
 
