@@ -148,7 +148,8 @@ def part_b_c(ms, budget, say):
              "deferred_over_materialized": ratio(d["median_us"], m["median_us"]),
              "speedup_vs_compiled": ratio(c["median_us"], d["median_us"]), "max_abs_diff_vs_composite": err}
         say(f"(b) M={M} ({r['tier']}, path {r['path']}): eager {d_e['median_us']:.1f} us vs compiled composite "
-            f"{c_e['median_us']:.1f} us ({r['eager_speedup_vs_compiled']:.2f}x); graph: deferred {d['median_us']:.1f} us, "
+            f"{c_e['median_us']:.1f} us ({r['eager_speedup_vs_compiled']:.2f}x); "
+            f"graph: deferred {d['median_us']:.1f} us, "
             f"materialized {m['median_us']:.1f} us ({r['deferred_over_materialized']:.2f}x), compiled composite "
             f"{c['median_us']:.1f} us ({r['speedup_vs_compiled']:.2f}x faster); max |ours - composite| {err:.3g}")
         # (c) host time of one eager call (20 calls behind a busy GPU), and its launches
@@ -285,7 +286,8 @@ def main() -> int:
     t8 = traffic.table(M=8192, W=8, L=K3["latent"], H=K3["hidden"])
     rb = t8["sharded"]["bytes"] / t8["bf16_lane"]["bytes"]
     targets.append(verdict(rb <= 1.2, f"bytes at M=8192 W=8: sharded {t8['sharded']['MB']} MB = {rb:.2f}x the bf16 "
-                           f"lane's {t8['bf16_lane']['MB']} MB (target <= 1.2x); allreduce path {t8['allreduce']['MB']} MB"))
+                           f"lane's {t8['bf16_lane']['MB']} MB (target <= 1.2x); "
+                           f"allreduce path {t8['allreduce']['MB']} MB"))
     for t in targets:
         say("TARGET " + t)
     payload = {**BR.results_meta(loopback=True), "what": __doc__.split("\n\n")[0], "shape": K3, "results": res,

@@ -96,7 +96,8 @@ CASES_W3 = [(520, 6, torch.bfloat16, [6, 1, 4]), (7168, 2, torch.float16, [2, 1]
 
 def test_cpu_w4_bf16_fp16_k3_width():
     """W=4: K3 width 7168 and odd widths, bf16 and fp16, M up to max_tokens and M=0, several
-    calls in a row (stage rotation).  Bound: <= 1 ulp (the fp32 rank-order sum is exact unless the summands span more than 24 bits of exponent, then fp32 rounding adds at most a hair; observed 0.5)."""
+    calls in a row (stage rotation).  Bound: <= 1 ulp (the fp32 rank-order sum is exact unless the summands
+    span more than 24 bits of exponent, then fp32 rounding adds at most a hair; observed 0.5)."""
     res = k3tail.spawn(4, _rank_correctness, CASES_W4)
     stats = _check_correctness(res, CASES_W4, 4)
     print("\nW=4 worst max_ulp", max(s["max_ulp"] for s in stats),

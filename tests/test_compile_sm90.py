@@ -15,7 +15,8 @@ import k3tail
 from k3tail.runtime import launch as L
 from k3tail import testing as T
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "i32",
           torch.int64: "i64", torch.uint8: "u8"}
 
 

@@ -51,7 +51,7 @@ def _case(W, seed, M, dtypes, slice_out=False):
 
 def _data(c, call, rank):
     """What rank ``rank`` writes in call ``call`` (deterministic: peers regenerate it)."""
-    M, W = c["M"], c["W"]
+    M = c["M"]
     routed_dt, shared_dt, normed_dt, out_dt = c["dtypes"]
     s0 = 1_000_003 * c["seed"] + 1009 * call + 17 * rank
     return {

@@ -266,7 +266,7 @@ def test_large_m_loopback_gpu(W):
             torch.cuda.synchronize()
             for r in range(W):
                 outs[r][name] = res[r].cpu()
-        del inputs
+        inputs.clear()  # free this M's inputs before the next
         assert all(m["sharded_peer"].sharded_calls >= 1 for m in mods_r)
         print(check_case(outs, cfg, M, W, form, seed=M, what=f"loopback W={W} M={M} {form}",
                          fp64_check=M <= 1024))

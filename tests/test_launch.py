@@ -17,7 +17,8 @@ class _FakeWorld:
 @pytest.fixture
 def gpu_props(monkeypatch):
     monkeypatch.setattr(L, "interpret_mode", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(multi_processor_count=132))
     return torch.device("cuda", 0)
 
 
@@ -148,9 +149,9 @@ def test_spec_key_mirrors_tritons_specialization():
             for b in args:
                 same_native = native(a, spec) == native(b, spec) and type(a) is type(b)
                 same_ours = L.spec_key(a, spec) == L.spec_key(b, spec) and type(a) is type(b)
-                assert same_native == same_ours, (a if not isinstance(a, torch.Tensor) else (a.dtype, a.data_ptr() % 16),
-                                                  b if not isinstance(b, torch.Tensor) else (b.dtype, b.data_ptr() % 16),
-                                                  spec, native(a, spec), native(b, spec))
+                def show(x):
+                    return (x.dtype, x.data_ptr() % 16) if isinstance(x, torch.Tensor) else x
+                assert same_native == same_ours, (show(a), show(b), spec, native(a, spec), native(b, spec))
 
 
 def test_variant_fills_constexprs_in_declared_order(monkeypatch):

@@ -253,7 +253,8 @@ def test_bad_inputs():
     bad(fin, "per_shard", **tri, bounds=P.shard_bounds(Lw, 3), tactics={"per_shard": True})
 
     bad(P.pack_shards, "unit column stride", x=torch.zeros(Lw, M).t(), bounds=b)
-    bad(P.pack_shards, "out must have dtype", x=torch.zeros(M, Lw), bounds=b, out=torch.empty(M * Lw, dtype=torch.int32))
+    bad(P.pack_shards, "out must have dtype", x=torch.zeros(M, Lw), bounds=b,
+        out=torch.empty(M * Lw, dtype=torch.int32))
     bad(P.pack_shards, "must be 2-D", x=torch.zeros(Lw), bounds=b)
     bad(P.pack_shards, "bounds end", x=torch.zeros(M, Lw), bounds=P.shard_bounds(72, 2))
 

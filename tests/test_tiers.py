@@ -22,7 +22,8 @@ def expected(m, gp, c):
 
 def test_defaults_are_unavailable():
     c = TailCaps()
-    assert (c.tail_fusion_max_tokens, c.cute_max_tokens, c.fused_ar, c.lane_max_tokens, c.multimem) == (0, 0, False, 0, False)
+    got = (c.tail_fusion_max_tokens, c.cute_max_tokens, c.fused_ar, c.lane_max_tokens, c.multimem)
+    assert got == (0, 0, False, 0, False)
     assert (c.multimem_min_tokens, c.multimem_max_tokens) == (256, 8192)
     for m in (0, 1, 16, 8192, 10000):
         for gp in (False, True):
