@@ -698,7 +698,28 @@ def test_demo_prints_progress_at_least_every_5_s(verbose_demo):
     print("largest gap between output lines:", max(gaps))
     assert max(gaps) <= 5.0, gaps
     assert sum(s.startswith("[") and " s] " in s for _, s in lines) >= 3  # "[  12.3 s] M=16: ..." lines
-    assert end - start > 5.0  # long enough for the test to mean something
+
+
+def test_progress_heartbeat_while_a_step_takes_long(capsys):
+    """A step longer than the heartbeat still prints: ``... <step> (still running)`` every ``every`` s."""
+    from k3tail.tools import demo
+
+    assert demo.HEARTBEAT_S + 0.25 < 5.0  # the default: a line at least every 5 s
+    t0 = time.perf_counter()
+    stamps = []
+    with demo.Progress(t0, every=1.0, poll=0.05) as progress:
+        progress.step("M=1: a slow step")
+        for _ in range(70):  # 3.5 s, sampling what was printed
+            time.sleep(0.05)
+            out = capsys.readouterr().out
+            stamps += [(time.perf_counter() - t0, s) for s in out.splitlines()]
+    stamps += [(time.perf_counter() - t0, s) for s in capsys.readouterr().out.splitlines()]
+    print(stamps)
+    assert "M=1: a slow step" in stamps[0][1] and "still running" not in stamps[0][1]
+    beats = [t for t, s in stamps if s.endswith("... M=1: a slow step (still running)")]
+    assert len(beats) >= 2, stamps
+    times = [t for t, _ in stamps]
+    assert max(b - a for a, b in zip(times[:-1], times[1:], strict=True)) <= 1.5
 
 
 def test_demo_prints_a_verdict_and_units(verbose_demo):

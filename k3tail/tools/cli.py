@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     level = log_level(args.verbose)
     logging.basicConfig(level=level, format=LOG_FORMAT)
-    logging.getLogger("k3tail").setLevel(level)
+    if args.verbose:  # also where logging was configured before (basicConfig then does nothing)
+        logging.getLogger("k3tail").setLevel(level)
     try:
         return int(importlib.import_module(f"k3tail.tools.{args._module}").main(args) or 0)
     except UsageError as e:
