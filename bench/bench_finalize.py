@@ -14,23 +14,27 @@ Timing: CUDA-graph replay (10 calls per graph), median over replays.  Writes
     python bench/bench_finalize.py --out bench/results
 """
 
+# ruff: noqa: B023 - every closure below is captured or timed within the loop iteration that defines it
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from k3tail.testing import no_multicast  # noqa: E402
+from k3tail.testing import no_multicast
 
 no_multicast()
 import k3tail  # noqa: E402
 from k3tail import testing as T  # noqa: E402
-from k3tail.tools.bench import line_plot, results_meta, write_results  # noqa: E402
-from timing import graph_replay_us  # noqa: E402
+from k3tail.tools.bench_results import line_plot, results_meta, write_results  # noqa: E402
+from k3tail.tools.timing import time_graph  # noqa: E402
+
+
+def graph_us(fn, replays: int) -> dict:
+    """``k3tail.tools.timing.time_graph`` of ``fn()``: 10 calls per graph, ``replays`` replays."""
+    return time_graph(lambda i: fn(), calls=10, replays=replays, warmup=3)
 
 
 def finalize_math(eo, w, idx, scale: float = 1.0):
@@ -89,15 +93,15 @@ def main():
     compiled = torch.compile(fused_math, dynamic=False)
     for M in args.tokens:
         eo, w, idx = T.moe_triple(M, K, Lw, dt, seed=M, device=dev)
-        ours = graph_replay_us(lambda: op1(norm_weight=gamma, expert_out=eo, expert_weights=w, expanded_idx=idx),
+        ours = graph_us(lambda: op1(norm_weight=gamma, expert_out=eo, expert_weights=w, expanded_idx=idx),
                                replays=args.replays)
         tried = {"default": ours["median_us"]}
         for name, op in alts.items():
-            tried[name] = graph_replay_us(lambda: op(norm_weight=gamma, expert_out=eo, expert_weights=w,
-                                                     expanded_idx=idx), replays=args.replays)["median_us"]
+            tried[name] = graph_us(lambda: op(norm_weight=gamma, expert_out=eo, expert_weights=w,
+                                                     expanded_idx=idx), args.replays)["median_us"]
         best = min(tried, key=tried.get)
-        eager = graph_replay_us(lambda: fused_math(eo, w, idx, gamma, eps), replays=args.replays)
-        comp = graph_replay_us(lambda: compiled(eo, w, idx, gamma, eps), replays=args.replays)
+        eager = graph_us(lambda: fused_math(eo, w, idx, gamma, eps), args.replays)
+        comp = graph_us(lambda: compiled(eo, w, idx, gamma, eps), args.replays)
         ref = k3tail.reference.finalize_allreduce_rmsnorm(
             [k3tail.reference.finalize(eo, w, idx)], gamma, eps)[0]
         st = k3tail.reference.error_stats(op1(norm_weight=gamma, expert_out=eo, expert_weights=w,
@@ -140,8 +144,8 @@ def main():
         torch.cuda.synchronize()
         run_fused(), run_composed()
         torch.cuda.synchronize()
-        ours = graph_replay_us(run_fused, replays=args.replays)
-        comp = graph_replay_us(run_composed, replays=args.replays)
+        ours = graph_us(run_fused, args.replays)
+        comp = graph_us(run_composed, args.replays)
         for o in fused + ars:
             o.check()
         outs = run_fused()

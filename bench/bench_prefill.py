@@ -204,8 +204,8 @@ def part_d(ms, W, budget, say):
     from k3tail.config import TailConfig
 
     cfg = TailConfig(**cfg_kw)
-    new = BG._Rig(W, cfg, multiproc=False, prefix="bench.prefill.new")
-    old = BG._Rig(W, cfg, multiproc=False, prefix="bench.prefill.old", world=new.world,
+    new = BG.Rig(W, cfg, multiproc=False, prefix="bench.prefill.new")
+    old = BG.Rig(W, cfg, multiproc=False, prefix="bench.prefill.old", world=new.world,
                  module_kwargs={"large_m": "allreduce"})
     rows = cfg.hidden // W
     wts = [BG.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=rows, copies=2, dtype=cfg.dtype,

@@ -15,6 +15,7 @@
 CUDA-graph replay, median over replays; JSON + PNG under --out.
 """
 
+# ruff: noqa: B023 - every closure below is captured or timed within the loop iteration that defines it
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ import torch  # noqa: E402
 import k3tail  # noqa: E402
 from k3tail import testing as T  # noqa: E402
 from k3tail.ops.tail import LatentTail, shard_gemm  # noqa: E402
-from k3tail.tools.bench import results_meta  # noqa: E402
-from timing import graph_replay_us  # noqa: E402
+from k3tail.tools.bench_results import results_meta  # noqa: E402
+from k3tail.tools.timing import time_graph  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
 SWEEP = [dict(b_block_n=bn, b_split_k=sk, b_block_k=bk, b_stages=st, b_gemv_max_m=0)
@@ -44,9 +45,9 @@ SWEEP += [dict(b_gemv_max_m=4, b_gemv_rows=r, b_gemv_warps=w)
           for r, w in [(4, 4), (4, 8), (8, 4), (8, 8), (16, 8), (16, 16)]]
 
 
-def time_graph(fn, n_inner: int, n_rep: int = 50) -> float:
+def median_us(fn, n_inner: int, n_rep: int = 50) -> float:
     """Median microseconds per fn() over CUDA-graph replays of n_inner back-to-back calls."""
-    return graph_replay_us(fn, reps_in_graph=n_inner, replays=n_rep)["median_us"]
+    return time_graph(lambda i: fn(), calls=n_inner, replays=n_rep, warmup=3)["median_us"]
 
 
 def bench_kernel_b(log) -> list:
@@ -72,7 +73,7 @@ def bench_kernel_b(log) -> list:
                     shard_gemm(a, ws[i], out=outs[i], tactics=tac)
                 return f
 
-            t_cublas = time_graph(cublas, copies * 4)
+            t_cublas = median_us(cublas, copies * 4)
             results = {}
             for name, tac in [("default", None)] + [(f"sweep{j}", t) for j, t in enumerate(SWEEP)]:
                 try:
@@ -83,7 +84,7 @@ def bench_kernel_b(log) -> list:
                     if err > 0.05 * float(ref.abs().max()) + 1e-2:
                         log(f"  {name} tactic {tac}: WRONG result (max err {err}); skipped")
                         continue
-                    results[name] = (time_graph(ours(tac), copies * 4), tac)
+                    results[name] = (median_us(ours(tac), copies * 4), tac)
                 except Exception as e:  # a tactic that does not compile here
                     log(f"  {name} tactic {tac}: failed ({type(e).__name__}: {e})")
             best = min(results, key=lambda k: results[k][0])
@@ -97,7 +98,8 @@ def bench_kernel_b(log) -> list:
             row["gbps_best"] = nbytes / row["best_us"] / 1e3
             row["gbps_cublas"] = nbytes / t_cublas / 1e3
             log(f"kernel B W={W} shard {N}x{LAT} M={M}: cuBLAS {t_cublas:.2f} us ({row['gbps_cublas']:.0f} GB/s), "
-                f"ours default {row['default_us']:.2f} us ({row['gbps_default']:.0f} GB/s, x{row['ratio_default']:.2f}), "
+                f"ours default {row['default_us']:.2f} us ({row['gbps_default']:.0f} GB/s, "
+                f"x{row['ratio_default']:.2f}), "
                 f"best {row['best_us']:.2f} us (x{row['ratio_best']:.2f}, {row['best_tactic']})")
             rows.append(row)
     return rows
@@ -110,13 +112,13 @@ def bench_tail_loopback(log, W: int = 8) -> list:
     groups = [world.group(r) for r in range(W)]
     S = H // W
     n_layers = 2
-    tails = [world.build(lambda r, l=l: LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
-                                                   key=f"model.layers.{l}.mlp", timeout_s=20.0))
-             for l in range(n_layers)]
+    tails = [world.build(lambda r, li=li: LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
+                                                     key=f"model.layers.{li}.mlp", timeout_s=20.0))
+             for li in range(n_layers)]
     ar_l = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=LAT))
     ar_h = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=H))
-    wfull = [T.randn((H, LAT), torch.bfloat16, 500 + l, scale=LAT ** -0.5, device="cuda") for l in range(n_layers)]
-    wshard = [[wfull[l][r * S:(r + 1) * S].contiguous() for r in range(W)] for l in range(n_layers)]
+    wfull = [T.randn((H, LAT), torch.bfloat16, 500 + li, scale=LAT ** -0.5, device="cuda") for li in range(n_layers)]
+    wshard = [[wfull[li][r * S:(r + 1) * S].contiguous() for r in range(W)] for li in range(n_layers)]
     gamma = (1 + 0.1 * torch.randn(LAT, device="cuda")).to(torch.bfloat16)
     rows = []
     for M in (1, 4, 16):
@@ -128,30 +130,30 @@ def bench_tail_loopback(log, W: int = 8) -> list:
 
         def fused(deferred):
             def f():
-                l = st["l"] = (st["l"] + 1) % n_layers
+                li = st["l"] = (st["l"] + 1) % n_layers
                 if deferred:
-                    world.run(lambda r: tails[l][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
-                                                    up_weight=wshard[l][r], expert_out=trip[r][0],
-                                                    expert_weights=trip[r][1], expanded_idx=trip[r][2]))
+                    world.run(lambda r: tails[li][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
+                                                     up_weight=wshard[li][r], expert_out=trip[r][0],
+                                                     expert_weights=trip[r][1], expanded_idx=trip[r][2]))
                 else:
-                    world.run(lambda r: tails[l][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
-                                                    up_weight=wshard[l][r], routed=routed[r]))
+                    world.run(lambda r: tails[li][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
+                                                     up_weight=wshard[li][r], routed=routed[r]))
             return f
 
-        def composed_rank(r, l):
+        def composed_rank(r, li):
             s = ar_l[r](routed[r]).float()
             normed = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()).to(torch.bfloat16)
-            proj = torch.matmul(normed, wfull[l].t())
+            proj = torch.matmul(normed, wfull[li].t())
             sh = ar_h[r](shared[r])
             return prefix + proj + sh
 
         def composed():
-            l = st["l"] = (st["l"] + 1) % n_layers
-            world.run(lambda r: composed_rank(r, l))
+            li = st["l"] = (st["l"] + 1) % n_layers
+            world.run(lambda r: composed_rank(r, li))
 
-        t_f = time_graph(fused(False), 8)
-        t_fd = time_graph(fused(True), 8)
-        t_c = time_graph(composed, 8)
+        t_f = median_us(fused(False), 8)
+        t_fd = median_us(fused(True), 8)
+        t_c = median_us(composed, 8)
         for tl_ in tails:
             for t in tl_:
                 t.check()

@@ -11,7 +11,7 @@ Seen on the H200 (b0e88a7): W=8 FUSED_LANE_AR timed out in the module's loopback
 M=64 and M=63; W=4 SEPARATE_REDUCE at M=64 too (eager as well).  Cause: with ``SMs // W``
 spinning programs per virtual rank every SM held a spinner, so another rank's cuBLAS projection
 (M > 16), whose blocks need a whole SM, could not be placed and the gather waiting for that
-rank timed out.  ``_launch.grid_cap`` now lets all spinners together take half the SMs
+rank timed out.  ``k3tail.runtime.launch.grid_cap`` now lets all spinners together take half the SMs
 (``K3TAIL_LOOPBACK_SPIN_SHARE``); at bea3323 ``K3TAIL_LOOPBACK_SPIN_SHARE=1.0`` still fails the
 W=4 case and the default runs W=4/8 at M=63/64 (100 replays), W=2 M=4096 and W=8 M=256 clean.
 ``bench/loopback_diag.sh`` runs such cases one process each.
@@ -30,19 +30,30 @@ no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
 import k3tail  # noqa: E402
-from k3tail.tools import bench as B  # noqa: E402
 from k3tail import tuning  # noqa: E402
+from k3tail.runtime.workspace import Workspace  # noqa: E402
 from k3tail.tiers import Tier  # noqa: E402
+from k3tail.tools.bench_rig import rank_inputs, rank_weights  # noqa: E402
 
 
 def workspaces(mod):
-    """``(name, Workspace)`` of every op a K3MoETail owns."""
-    out = []
-    for name in ("_lane", "_tail", "_lb_routed", "_lb_shared", "_lb_gather"):
-        op = getattr(mod, name, None)
-        ws = getattr(op, "ws", None)
-        if ws is not None:
-            out.append((name, ws))
+    """``(path, Workspace)`` of every op a K3MoETail owns: the workspaces found under its
+    ``context`` (the tier ops, the collectives and the ops inside them), a few attributes deep."""
+    out, seen = [], set()
+
+    def visit(obj, path, depth):
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Workspace):
+            out.append((path, obj))
+            return
+        items = obj.items() if isinstance(obj, dict) else vars(obj).items() if hasattr(obj, "__dict__") else ()
+        for k, v in items:
+            if v is not None and not isinstance(v, (torch.Tensor, int, float, str, bool)):
+                visit(v, f"{path}.{k}", depth + 1)
+
+    visit(mod.context, "context", 0)
     return out
 
 
@@ -70,10 +81,10 @@ def main():
                                                   tactics_table=tuning.TacticTable()))
     tier = Tier[args.tier]
     dev = world.device
-    ins = [B.rank_inputs(M=M, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, dtype=cfg.dtype, device=dev,
-                         seed=r, deferred=True) for r in range(W)]
-    wts = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=cfg.hidden // W, copies=1, dtype=cfg.dtype,
-                          device=dev, seed=100 + r) for r in range(W)]
+    ins = [rank_inputs(M=M, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, dtype=cfg.dtype, device=dev,
+                       seed=r, deferred=True) for r in range(W)]
+    wts = [rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=cfg.hidden // W, copies=1, dtype=cfg.dtype,
+                        device=dev, seed=100 + r) for r in range(W)]
 
     def step():
         return world.run(lambda r: mods[r](**ins[r], norm_weight=wts[r][0], up_weight=wts[r][1][0], tier=tier,

@@ -6,9 +6,16 @@ them per
 
     key = (kernel, device name, SM "major.minor", Triton version, world size W, shape string)
 
-and writes a JSON table.  The package ships one (``k3tail/tables/tactics.json``, package
-data); ``K3TAIL_TUNING_TABLE=/path/to/table.json`` overrides it entry by entry (entries of
-the override win, the shipped ones fill the rest).
+and writes a JSON table.  Which table the package uses (:func:`load_table`), entry by entry, the
+later winning:
+
+1. the table it ships (``k3tail/tables/tactics.json``, package data);
+2. the user table, where ``k3tail tune`` writes by default (:func:`user_table_path`:
+   ``$XDG_CONFIG_HOME/k3tail/tactics.json``, else ``~/.config/k3tail/tactics.json``), if it exists;
+3. ``$K3TAIL_TUNING_TABLE=/path/to/table.json``, if set.
+
+A user or override table that is not a valid table raises (a typo must not silently fall back to
+the defaults); a missing user table is simply absent, a missing override raises.
 
 The tier crossovers (where the selector's thresholds should sit) are stored in the same
 table under the pseudo-kernel :data:`CROSSOVER_KERNEL`, as a dict such as
@@ -53,6 +60,7 @@ FORMAT = "k3tail-tactics/1"
 TABLE_ENV = "K3TAIL_TUNING_TABLE"
 TABLE_DIR = Path(__file__).resolve().parent / "tables"
 SHIPPED_TABLE = TABLE_DIR / "tactics.json"
+USER_TABLE_NAME = Path("k3tail") / "tactics.json"
 CROSSOVER_KERNEL = "K3MoETail.tiers"
 
 # Threshold names the crossover entries may carry (TailCaps field names, DESIGN §2).
@@ -211,22 +219,34 @@ def read_table(path) -> TacticTable:
     return TacticTable.from_json(data, source=str(path))
 
 
+def user_table_path() -> Path:
+    """The user's tactic table: ``$XDG_CONFIG_HOME/k3tail/tactics.json`` (an absolute
+    ``XDG_CONFIG_HOME``), else ``~/.config/k3tail/tactics.json``.  ``k3tail tune`` writes there by
+    default; :func:`load_table` reads it (if it exists) over the shipped table."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    if not base or not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / USER_TABLE_NAME
+
+
 def load_table(path=None) -> TacticTable:
     """The table the package uses.
 
     ``path`` given: exactly that file.  Otherwise the shipped table (package data, empty if
-    absent) overlaid with the file named by ``$K3TAIL_TUNING_TABLE`` if set (a missing or
-    malformed override file raises: a typo must not silently fall back to defaults).
+    absent), overlaid entry by entry with the user table (:func:`user_table_path`, if it exists),
+    then with the file named by ``$K3TAIL_TUNING_TABLE`` if set (a malformed user table, or a
+    missing or malformed override, raises: a typo must not silently fall back to defaults).
     """
     if path is not None:
         return read_table(path)
     override = os.environ.get(TABLE_ENV, "")
-    sig = (_mtime(SHIPPED_TABLE), override, _mtime(override) if override else None)
+    user = user_table_path()
+    sig = (_mtime(SHIPPED_TABLE), str(user), _mtime(user), override, _mtime(override) if override else None)
     with _cache_lock:
         hit = _cache.get(sig)
     if hit is not None:  # one read per process, not one per layer (files unchanged)
         return copy.deepcopy(hit)
-    table = _load_uncached(override)
+    table = _load_uncached(user if sig[2] is not None else None, override)
     with _cache_lock:
         _cache.clear()
         _cache[sig] = copy.deepcopy(table)
@@ -245,10 +265,22 @@ def _mtime(path) -> Optional[tuple]:
         return None
 
 
-def _load_uncached(override: str) -> TacticTable:
+def _load_uncached(user: Optional[Path], override: str) -> TacticTable:
     table = TacticTable(source=str(SHIPPED_TABLE))
     if SHIPPED_TABLE.is_file():
         table = read_table(SHIPPED_TABLE)
+    if user is not None:
+        try:
+            mine = read_table(user)
+        except FileNotFoundError:  # removed since the stat: absent
+            mine = None
+        except ValueError as e:
+            raise ValueError(f"the user tactic table {user} (k3tail.tuning.user_table_path) is not a valid "
+                             f"table: {e}; fix it, or remove it to use the shipped table") from e
+        if mine is not None:
+            table.update(mine)
+            table.meta = {**table.meta, "user": str(user)}
+            table.source = f"{table.source} + {user}"
     if override:
         try:
             extra = read_table(override)

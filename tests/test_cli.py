@@ -6,14 +6,20 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from k3tail.tools import bench as B
+from k3tail.tools import bench_results as BR
+from k3tail.tools import bench_rig as BG
+from k3tail.tools import options as O
 from k3tail.tools import timing as BT
 from k3tail.tools import tune as TU
+from k3tail.tools import tune_crossovers as TX
+from k3tail.tools import tune_tactics as TT
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_CUDA = torch.cuda.is_available()
@@ -101,9 +107,9 @@ def test_demo_smallest_exits_0(capsys):
 def test_demo_processes_flag_parses():
     from k3tail.tools import cli
 
-    args = cli.build_parser().parse_args(["demo", "--device", "cuda", "--processes", "-W", "2"])
+    args = cli.build_parser()[0].parse_args(["demo", "--device", "cuda", "--processes", "-W", "2"])
     assert args.processes and args.device == "cuda" and args.world_size == 2
-    assert not cli.build_parser().parse_args(["demo"]).processes  # default: unchanged
+    assert not cli.build_parser()[0].parse_args(["demo"]).processes  # default: unchanged
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU message; this machine has a GPU")
@@ -113,7 +119,7 @@ def test_demo_processes_without_cuda_fails_cleanly(capsys):
         assert rc == 2, out
         assert "k3tail demo --device cuda: needs a CUDA GPU" in out and "Traceback" not in out, out
     rc, out = inproc(capsys, "demo", "--processes", "-W", "2")
-    assert rc == 2 and "add --device cuda" in out, out
+    assert rc == 2 and "add --device cuda" in out and "usage: k3tail demo" in out, out
 
 
 @pytest.mark.gpu
@@ -125,21 +131,23 @@ def test_demo_processes_on_the_gpu_exits_0(capsys):
 
 
 # ------------------------------------------------------------ bench helpers (CPU)
-def test_parse_ints():
-    assert B.parse_ints("1,2, 4") == [1, 2, 4]
-    assert B.parse_ints("8 16") == [8, 16]
+def test_int_list():
+    assert O.int_list("1,2, 4") == [1, 2, 4]
+    assert O.int_list("8 16") == [8, 16]
     import argparse
     for bad in ("", "1,x", "0,2", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            B.parse_ints(bad)
+            O.int_list(bad)
 
 
 def test_summarize_median_p99():
-    s = B.summarize([float(x) for x in range(1, 101)])
+    s = BT.summarize([float(x) for x in range(1, 101)])
     assert s["median_us"] == 50.5 and s["p99_us"] == 99.0 and s["min_us"] == 1.0 and s["n"] == 100
-    s = B.summarize([5.0, 1.0, 3.0])
+    s = BT.summarize([5.0, 1.0, 3.0])
     assert s["median_us"] == 3.0 and s["p99_us"] == 5.0
-    assert B.summarize([])["median_us"] is None
+    assert BT.summarize([])["median_us"] is None
+    # nearest rank: the ceil(0.99 n)-th smallest; 200 samples -> the 198th
+    assert BT.summarize([float(x) for x in range(1, 201)])["p99_us"] == 198.0
 
 
 def test_tier_ranges_follow_caps():
@@ -147,22 +155,22 @@ def test_tier_ranges_follow_caps():
     from k3tail.tiers import TailCaps
 
     cfg = TailConfig(max_tokens=8192)
-    assert B.tier_ranges(TailCaps(), cfg) == {"SEPARATE_REDUCE": (1, 8192)}
-    r = B.tier_ranges(TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=64), cfg)
+    assert BG.tier_ranges(TailCaps(), cfg) == {"SEPARATE_REDUCE": (1, 8192)}
+    r = BG.tier_ranges(TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=64), cfg)
     assert r == {"SEPARATE_REDUCE": (1, 8192), "FUSED_LANE_AR": (1, 8192), "TAIL_FUSION": (1, 16)}
     # a tuned threshold that lowered the caps does not hide the capacity from the bench
-    r = B.tier_ranges(TailCaps(tail_fusion_max_tokens=4, fused_ar=True, lane_max_tokens=64), cfg)
+    r = BG.tier_ranges(TailCaps(tail_fusion_max_tokens=4, fused_ar=True, lane_max_tokens=64), cfg)
     assert r["TAIL_FUSION"] == (1, 16)
-    r = B.tier_ranges(TailCaps(multimem=True, fused_ar=True, lane_max_tokens=64, cute_max_tokens=8), cfg)
+    r = BG.tier_ranges(TailCaps(multimem=True, fused_ar=True, lane_max_tokens=64, cute_max_tokens=8), cfg)
     assert r["MULTIMEM_AR"] == (256, 8192) and r["CUTE_FINALIZE"] == (1, 8)
 
 
 def test_prefix_threshold_and_crossovers():
-    assert TU.prefix_threshold({1: True, 2: True, 4: False, 8: True}, 16) == 2
-    assert TU.prefix_threshold({1: True, 16: True}, 16) == 16
-    assert TU.prefix_threshold({1: True, 64: True}, 256) == 64   # not measured above 64: not extended
-    assert TU.prefix_threshold({1: False}, 16) == 0
-    assert TU.prefix_threshold({}, 16) == 0
+    assert TX.prefix_threshold({1: True, 2: True, 4: False, 8: True}, 16) == 2
+    assert TX.prefix_threshold({1: True, 16: True}, 16) == 16
+    assert TX.prefix_threshold({1: True, 64: True}, 256) == 64   # not measured above 64: not extended
+    assert TX.prefix_threshold({1: False}, 16) == 0
+    assert TX.prefix_threshold({}, 16) == 0
 
     def pt(tier, M, us):
         return {"tier": tier, "M": M, "phase": "graph", "median_us": us}
@@ -174,23 +182,23 @@ def test_prefix_threshold_and_crossovers():
            pt("FUSED_LANE_AR", 256, 200), pt("SEPARATE_REDUCE", 256, 150),
            {"tier": "SEPARATE_REDUCE", "M": 1, "phase": "eager", "median_us": 1.0}]
     caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 256}
-    assert TU.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}
+    assert TX.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64}
     # without the lane collective, TAIL_FUSION is held against SEPARATE_REDUCE
     caps = {"tail_fusion_max_tokens": 16, "fused_ar": False, "lane_max_tokens": 0}
-    assert TU.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 16}
-    assert TU.crossover_thresholds(pts, {}) == {}
+    assert TX.crossover_thresholds(pts, caps) == {"tail_fusion_max_tokens": 16}
+    assert TX.crossover_thresholds(pts, {}) == {}
     # a tier that failed at an M (no point) while the alternative ran loses there
     pts2 = [p for p in pts if not (p["tier"] == "FUSED_LANE_AR" and p["M"] == 64)]
     caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 64}
-    assert TU.crossover_thresholds(pts2, caps)["lane_max_tokens"] == 16
+    assert TX.crossover_thresholds(pts2, caps)["lane_max_tokens"] == 16
     # a point whose p99 replay took seconds hid a timed-out wait: it counts as a failure (seen on
     # the H200: one 10 s replay of FUSED_LANE_AR at W=8, M=64 amid normal ones)
     pts3 = [dict(p, p99_us=1.0e7) if (p["tier"] == "FUSED_LANE_AR" and p["M"] == 64) else p for p in pts]
     caps = {"tail_fusion_max_tokens": 16, "fused_ar": True, "lane_max_tokens": 256}
-    assert TU.crossover_thresholds(pts3, caps)["lane_max_tokens"] == 16
+    assert TX.crossover_thresholds(pts3, caps)["lane_max_tokens"] == 16
     # both tiers failed above 64 (no points): the threshold stops at the last measured win
     pts4 = [p for p in pts if p["M"] != 256]
-    assert TU.crossover_thresholds(pts4, caps)["lane_max_tokens"] == 64
+    assert TX.crossover_thresholds(pts4, caps)["lane_max_tokens"] == 64
 
 
 def test_tune_specs_cover_the_ops_tactic_keys():
@@ -198,34 +206,34 @@ def test_tune_specs_cover_the_ops_tactic_keys():
     from k3tail.config import TailConfig
 
     cfg = TailConfig()
-    lt = TU.SPECS["LatentTail"].space(True, 8, cfg)
+    lt = TT.SPECS["LatentTail"].space(True, 8, cfg)
     from k3tail.ops import tail
     known = set(tail.default_tactics(hidden=7168, latent=3584, W=8, device=torch.device("cpu")))
     assert set(lt) <= known, set(lt) - known
     from k3tail.ops.finalize_ar_norm import TACTIC_KEYS, FinalizeAllReduceRMSNorm
     for name in ("LaneAllReduce", "FinalizeAllReduceRMSNorm"):
         for full in (False, True):
-            sp = TU.SPECS[name].space(full, 8, cfg)
+            sp = TT.SPECS[name].space(full, 8, cfg)
             assert set(sp) <= set(TACTIC_KEYS), set(sp) - set(TACTIC_KEYS)
             assert all(b * 8 <= 32768 for b in sp["block"])
             for k, values in sp.items():  # every candidate value is one the op accepts
                 for v in values:
                     FinalizeAllReduceRMSNorm(width=cfg.latent, max_tokens=1, tactics={k: v})
-    assert set(TU.SPECS["project"].space(True, 8, cfg)) <= {"triton_max_m", "block_n", "block_k", "num_warps"}
+    assert set(TT.SPECS["project"].space(True, 8, cfg)) <= {"triton_max_m", "block_n", "block_k", "num_warps"}
     with pytest.raises(ValueError):
-        TU.SPECS["project"].build(None, cfg, {"block_n": 24}, "t", 1.0, 16)
-    assert TU.spec_shape(cfg) == "H=7168,K=16,L=3584,dtype=bf16"
+        TT.SPECS["project"].build(None, cfg, {"block_n": 24}, "t", 1.0, 16)
+    assert TT.spec_shape(cfg) == "H=7168,K=16,L=3584,dtype=bf16"
 
 
 def test_write_results_and_meta(tmp_path):
     from k3tail.tiers import Tier
 
-    meta = B.results_meta(loopback=True)
+    meta = BR.results_meta(loopback=True)
     for k in ("device", "gpus", "loopback", "commit", "date", "torch", "triton"):
         assert k in meta
     assert meta["loopback"] is True and meta["torch"] == torch.__version__
     assert meta["commit"] == "unknown" or len(meta["commit"].split("+")[0]) == 40
-    p = B.write_results("x", {**meta, "tier": Tier.TAIL_FUSION, "v": math.nan, "rows": [(1, math.inf)]},
+    p = BR.write_results("x", {**meta, "tier": Tier.TAIL_FUSION, "v": math.nan, "rows": [(1, math.inf)]},
                         tmp_path / "sub")
     data = json.loads(p.read_text())
     assert data["tier"] == "TAIL_FUSION" and data["v"] is None and data["rows"] == [[1, None]]
@@ -249,18 +257,36 @@ def _fake_results():
 
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
-    png = B.tier_map_plot(_fake_results(), tmp_path / "tm.png", title="fake")
+    png = BR.tier_map_plot(_fake_results(), tmp_path / "tm.png", title="fake")
     assert png is not None and png.stat().st_size > 10_000
-    png = B.line_plot({"a": [(1, 2.0), (2, 3.0)], "b": [(1, None), (4, 1.0)]}, tmp_path / "l.png", title="t")
+    png = BR.line_plot({"a": [(1, 2.0), (2, 3.0)], "b": [(1, None), (4, 1.0)]}, tmp_path / "l.png", title="t")
     assert png is not None and png.stat().st_size > 1000
 
 
-def test_bench_plot_module_reexports():
-    spec = importlib.util.spec_from_file_location("k3tail_bench_plot", REPO / "bench" / "plot.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for name in ("results_meta", "write_results", "line_plot", "tier_map_plot", "summarize"):
-        assert getattr(mod, name) is getattr(B, name)
+def test_bench_scripts_use_the_one_timer_and_the_defining_modules():
+    """The scripts in bench/ import the tools' names from the modules that define them (no
+    bench/plot.py or bench/timing.py facades, no names re-exported by k3tail.tools.bench) and time
+    with k3tail.tools.timing."""
+    import ast
+
+    assert not (REPO / "bench" / "timing.py").exists() and not (REPO / "bench" / "plot.py").exists()
+    scripts = ("bench_allreduce.py", "bench_finalize.py", "bench_tail.py", "stress_loopback.py")
+    timed = set()
+    for name in scripts:
+        tree = ast.parse((REPO / "bench" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                assert node.module not in ("timing", "plot"), f"bench/{name} imports the removed {node.module}"
+                if node.module.startswith("k3tail.tools."):
+                    mod = importlib.import_module(node.module)
+                    for a in node.names:
+                        assert not a.name.startswith("_"), f"bench/{name}: private {a.name} from {node.module}"
+                        assert a.name in vars(mod), f"bench/{name}: {node.module} has no {a.name}"
+                        src = getattr(vars(mod)[a.name], "__module__", node.module)
+                        assert src == node.module, f"bench/{name}: {a.name} is defined in {src}, not {node.module}"
+                    if node.module == "k3tail.tools.timing":
+                        timed.add(name)
+    assert timed == {"bench_allreduce.py", "bench_finalize.py", "bench_tail.py"}
 
 
 # ------------------------------------------- bench/tune control flow with fakes (CPU)
@@ -272,7 +298,7 @@ class _FakeTail:
 
         from k3tail.module import K3MoETail
 
-        self.caps = caps
+        self.caps, self.large_m = caps, "sharded"
         self._params = set(inspect.signature(K3MoETail.forward).parameters) - {"self"}
         self.calls = []
 
@@ -280,7 +306,7 @@ class _FakeTail:
         from k3tail.tiers import select_tier
         return select_tier(num_tokens=num_tokens, graph_phase=graph_phase, caps=self.caps)
 
-    def possible(self, tier, num_tokens):
+    def why_not(self, tier, num_tokens):
         return None
 
     def __call__(self, **kw):
@@ -314,7 +340,7 @@ def _fake_timer(cost):
         (warm_step or step)(0)
         step(1)
         us = cost()
-        return {**B.summarize([us, us * 1.1]), "calls": 2, "replays": 2}
+        return {**BT.summarize([us, us * 1.1]), "calls": 2, "replays": 2}
     return timer
 
 
@@ -326,7 +352,7 @@ def test_bench_world_control_flow_with_fakes(monkeypatch, tmp_path):
     monkeypatch.setattr(BT, "time_eager", _fake_timer(lambda: float(next(rng))))
     caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
     rig = _FakeRig(caps)
-    res = B.bench_world(rig, [1, 16, 64], tiers=None, phases=["graph", "eager"], deferred=True, budget_s=0.01,
+    res = BG.bench_world(rig, [1, 16, 64], tiers=None, phases=["graph", "eager"], deferred=True, budget_s=0.01,
                         max_calls=3, progress=print)
     got = {(p["tier"], p["M"], p["phase"]) for p in res["points"]}
     assert ("TAIL_FUSION", 16, "graph") in got and ("TAIL_FUSION", 64, "graph") not in got
@@ -342,21 +368,21 @@ def test_bench_world_control_flow_with_fakes(monkeypatch, tmp_path):
     assert any(s["tier"] == "TAIL_FUSION" and s["M"] == 64 for s in res["skipped"])
     calls = rig.mods[1].calls
     assert ("TAIL_FUSION", True) in {(t, g) for _, t, g in calls}
-    payload = {**B.results_meta(loopback=True), "worlds": [res]}
-    path = B.write_results("fake_tier_map", payload, tmp_path)
+    payload = {**BR.results_meta(loopback=True), "worlds": [res]}
+    path = BR.write_results("fake_tier_map", payload, tmp_path)
     json.loads(path.read_text())
     if importlib.util.find_spec("matplotlib"):
-        assert B.tier_map_plot(payload, tmp_path / "fake.png") is not None
-    B._print_summary([res], print)
+        assert BR.tier_map_plot(payload, tmp_path / "fake.png") is not None
+    B.print_summary([res], print)
     # tier filter and the crossovers derived from the same points
-    res2 = B.bench_world(rig, [1], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False, budget_s=0.01,
+    res2 = BG.bench_world(rig, [1], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False, budget_s=0.01,
                          max_calls=1, baselines=False, progress=print)
     assert {p["tier"] for p in res2["points"]} == {"SEPARATE_REDUCE"} and not res2["baselines"]
-    th = TU.crossover_thresholds(res["points"], B._caps_dict(caps))
+    th = TX.crossover_thresholds(res["points"], BG.caps_dict(caps))
     assert set(th) == {"tail_fusion_max_tokens", "lane_max_tokens"}
 
 
-class _FakeSpec(TU.Spec):
+class _FakeSpec(TT.Spec):
     name = "Fake"
     best = {"a": 3, "b": 10}
 
@@ -390,8 +416,8 @@ def test_tune_coordinate_descent_with_fakes(monkeypatch):
         world_size = 2
 
     lines = []
-    r = TU.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
-                        deadline=TU.Budget(None), say=lines.append)
+    r = TT.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
+                        deadline=TT.Budget(None), say=lines.append)
     print(*lines, sep="\n")
     assert r["tactic"] == {"a": 3, "b": 10} and r["default"] == {"a": 1, "b": 20}
     assert r["us"] == pytest.approx(2 * 10.5) and r["default_us"] == pytest.approx(2 * 28.35)
@@ -401,12 +427,13 @@ def test_tune_coordinate_descent_with_fakes(monkeypatch):
     tr = r["trials"]
     assert len(tr) == 5 and tr[0]["changed"] is None and tr[0]["tactic"] == {"a": 1, "b": 20}
     assert tr[0]["score"] == pytest.approx(2 * 28.35)
-    assert [t["score"] is None for t in tr].count(True) == 1 and "rejected" in next(t["error"] for t in tr if t["error"])
+    assert [t["score"] is None for t in tr].count(True) == 1
+    assert "rejected" in next(t["error"] for t in tr if t["error"])
     assert min(t["score"] for t in tr if t["score"] is not None) == pytest.approx(r["us"])
     # an exhausted budget measures the default only and says so
     lines.clear()
-    r = TU.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
-                        deadline=TU.Budget(1e-9), say=lines.append)
+    r = TT.sweep_kernel(_FakeSpec(), W2(), None, full=False, timeout_s=1.0, budget_s=0.01, seed=0,
+                        deadline=TT.Budget(1e-9), say=lines.append)
     assert r["candidates"] == 1 and r["skipped"] == 4 and r["tactic"] == {"a": 1, "b": 20}
     assert any("time budget exhausted" in s for s in lines)
 
@@ -422,14 +449,14 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
     monkeypatch.setattr(T, "device_fields", lambda device=None: dict(fields))
-    monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
-                                                          "torch": "t", "triton": "3.6.0", **kw})
+    monkeypatch.setattr(BR, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+                                                           "torch": "t", "triton": "3.6.0", **kw})
 
     class FakeWorld:
         def __init__(self, W):
             self.world_size = W
     monkeypatch.setattr(WS, "LoopbackWorld", FakeWorld)
-    monkeypatch.setattr(TU, "SPECS", {"Fake": _FakeSpec()})
+    monkeypatch.setattr(TT, "SPECS", {"Fake": _FakeSpec()})
     monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
 
     def fake_cross(world, cfg_kwargs, ms, **kw):
@@ -441,7 +468,7 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
         return {"thresholds": {"tail_fusion_max_tokens": 8, "lane_max_tokens": 64, "large_m_min_tokens": 256},
                 "points": pts, "caps": {"tail_fusion_max_tokens": 16}, "sharded_caps": {"lane_max_tokens": 0},
                 "notes": ["a note"]}
-    monkeypatch.setattr(TU, "tune_crossovers", fake_cross)
+    monkeypatch.setattr(TX, "tune_crossovers", fake_cross)
     out = tmp_path / "table.json"
     old = T.TacticTable()
     keep = T.make_key("Other", world_size=2, shape="x", **fields)
@@ -478,12 +505,14 @@ def test_tune_main_writes_and_merges_table_with_fakes(monkeypatch, tmp_path, cap
     except ImportError:
         assert rep["figures"] == []
     else:
-        assert rep["figures"] == ["tune_fake_gpu.png"] and (tmp_path / "res" / "tune_fake_gpu.png").stat().st_size > 1000
+        assert rep["figures"] == ["tune_fake_gpu.png"]
+        assert (tmp_path / "res" / "tune_fake_gpu.png").stat().st_size > 1000
 
 
 def test_tune_plot_without_worlds_draws_nothing(tmp_path):
     assert TU.tune_plot({"worlds": []}, tmp_path / "x.png") is None
-    assert TU.tune_plot({"worlds": [{"world_size": 2, "kernels": {}, "crossovers": None}]}, tmp_path / "x.png") is None
+    empty = {"worlds": [{"world_size": 2, "kernels": {}, "crossovers": None}]}
+    assert TU.tune_plot(empty, tmp_path / "x.png") is None
     assert not (tmp_path / "x.png").exists()
 
 
@@ -493,7 +522,7 @@ def test_bench_world_deadline_skips_points(monkeypatch):
     monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 1.0))
     monkeypatch.setattr(BT, "time_eager", _fake_timer(lambda: 1.0))
     rig = _FakeRig(TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8))
-    res = B.bench_world(rig, [1, 2], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
+    res = BG.bench_world(rig, [1, 2], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
                         deadline=0.0, progress=print)
     assert not res["points"] and not res["baselines"]
     assert all("time budget" in s["why"] for s in res["skipped"]) and len(res["skipped"]) == 6
@@ -505,7 +534,7 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
     from k3tail.tiers import TailCaps
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+    monkeypatch.setattr(BR, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
                                                           "torch": "t", "triton": "3.6.0", **kw})
     monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 5.0))
     monkeypatch.setattr(BT, "time_eager", _fake_timer(lambda: 7.0))
@@ -520,7 +549,7 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
         rig.close = lambda: closed.append(W)
         return rig
 
-    monkeypatch.setattr(B, "_Rig", fake_rig)
+    monkeypatch.setattr(BG, "Rig", fake_rig)
     rc, text = inproc(capsys, "bench", "--world-sizes", "2,4", "--m", "1,4", "--hidden", "64", "--latent", "32",
                       "--top-k", "4", "--out-dir", str(tmp_path), "--name", "partial", "--no-plot",
                       "--phases", "graph")
@@ -538,16 +567,13 @@ def test_bench_main_writes_worlds_before_a_failure(monkeypatch, tmp_path, capsys
     assert data["large_m_bytes_w8"] == {str(M): traffic.table(M=M, W=8, L=32, H=64, e=2) for M in (1024, 8192)}
 
 
-@pytest.mark.parametrize("accepts", [False, True])
-def test_bench_main_builds_the_large_m_baseline_only_where_the_module_takes_it(monkeypatch, tmp_path, capsys,
-                                                                                accepts):
+def test_bench_main_builds_the_large_m_baseline_above_the_lane(monkeypatch, tmp_path, capsys):
     from k3tail.tiers import TailCaps
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(B, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
-                                                          "torch": "t", "triton": "3.6.0", **kw})
+    monkeypatch.setattr(BR, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+                                                           "torch": "t", "triton": "3.6.0", **kw})
     monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 5.0))
-    monkeypatch.setattr(B, "module_accepts", lambda name: accepts)
     built = []
 
     def fake_rig(W, cfg, *, multiproc, module_kwargs, prefix="layers.0"):
@@ -556,11 +582,191 @@ def test_bench_main_builds_the_large_m_baseline_only_where_the_module_takes_it(m
         rig.close = lambda: None
         return rig
 
-    monkeypatch.setattr(B, "_Rig", fake_rig)
-    rc, text = inproc(capsys, "bench", "--world-sizes", "2", "--m", "4,32", "--hidden", "64", "--latent", "32",
-                      "--top-k", "4", "--out-dir", str(tmp_path), "--name", "lm", "--no-plot", "--phases", "graph")
+    monkeypatch.setattr(BG, "Rig", fake_rig)
+    argv = ("bench", "--world-sizes", "2", "--hidden", "64", "--latent", "32", "--top-k", "4", "--out-dir",
+            str(tmp_path), "--no-plot", "--phases", "graph")
+    rc, text = inproc(capsys, *argv, "--m", "4,32", "--name", "lm")
     assert rc == 0, text
-    assert built == ([None, "allreduce"] if accepts else [None])
+    assert built == [None, "allreduce"]
     w = json.loads((tmp_path / "lm.json").read_text())["worlds"][0]
     assert set(w["large_m_bytes"]) == {"32"}
-    assert [b["M"] for b in w["baselines"] if b["name"] == "lane_large_m_allreduce"] == ([32] if accepts else [])
+    assert [b["M"] for b in w["baselines"] if b["name"] == "lane_large_m_allreduce"] == [32]
+    # every M within the lane's capacity, or --no-large-m-baseline: no baseline rig
+    built.clear()
+    rc, text = inproc(capsys, *argv, "--m", "4,8", "--name", "lm2")
+    assert rc == 0 and built == [None], text
+    built.clear()
+    rc, text = inproc(capsys, *argv, "--m", "4,32", "--name", "lm3", "--no-large-m-baseline")
+    assert rc == 0 and built == [None], text
+
+
+# ------------------------------------------------ what a newcomer meets (issue 22): the CLI items
+@pytest.mark.parametrize("argv, what", [
+    (("doctor", "--world-size", "0"), "--world-size"),
+    (("doctor", "--hidden", "-8"), "--hidden"),
+    (("doctor", "--lane-max-tokens", "x"), "--lane-max-tokens"),
+    (("demo", "-W", "0"), "-W"),
+    (("demo", "-M", "0"), "-M"),
+    (("demo", "-M", "1", "0", "4"), "-M"),
+    (("demo", "-W", "two"), "-W"),
+    (("bench", "--m", "0,4"), "--m"),
+    (("bench", "--world-sizes", "0"), "--world-sizes"),
+    (("tune", "--budget-s", "0"), "--budget-s"),
+    (("tune", "--crossover-m", "1,-2"), "--crossover-m"),
+])
+def test_bad_values_are_argparse_errors(capsys, argv, what):
+    rc, out = inproc(capsys, *argv)
+    assert rc == 2, out
+    assert f"usage: k3tail {argv[0]}" in out and "error: argument" in out and what in out, out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("argv, what", [
+    (("demo", "--processes"), "add --device cuda"),
+    (("doctor", "--hidden", "100"), "multiples of 8"),      # TailConfig.validate, as a usage error
+    (("doctor", "--top-k", "65"), "top_k"),
+    (("bench", "--tiers", "FAST"), "unknown tier"),
+    (("bench", "--phases", "warm"), "unknown phase"),
+    (("tune", "--kernels", "Nope"), "unknown kernel"),
+])
+def test_bad_combinations_are_usage_errors(capsys, argv, what):
+    rc, out = inproc(capsys, *argv)
+    assert rc == 2, out
+    assert f"usage: k3tail {argv[0]}" in out and what in out and "Traceback" not in out, out
+
+
+def test_bad_value_through_the_console_script():
+    rc, out = k3tail("doctor", "--world-size", "0")
+    assert rc == 2, out
+    assert "argument --world-size: expected an integer >= 1, got 0" in out and "Traceback" not in out
+
+
+def test_version():
+    import importlib.metadata
+
+    import triton
+
+    import k3tail as pkg
+
+    rc, out = k3tail("--version")
+    assert rc == 0, out
+    assert out.strip() == f"k3tail {pkg.__version__} (torch {torch.__version__}, triton {triton.__version__})"
+    assert pkg.__version__ == importlib.metadata.version("k3tail")  # the installed metadata agrees
+
+
+def _run_timed(argv, timeout=600):
+    """The console script with every output line's arrival time: (rc, [(seconds, line)], stderr)."""
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "k3tail", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=str(REPO))
+    t0 = time.monotonic()
+    lines, err = [], []
+    reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
+    reader.start()
+    for line in p.stdout:
+        lines.append((time.monotonic() - t0, line.rstrip("\n")))
+    rc = p.wait(timeout=timeout)
+    reader.join(timeout=10)
+    return rc, lines, "".join(err)
+
+
+@pytest.fixture(scope="module")
+def verbose_demo():
+    """``k3tail -v demo`` on 2 CPU ranks, small shape, M = 1 and 16: run once, read by the tests below."""
+    rc, lines, err = _run_timed(["-v", "demo", "-W", "2", "-M", "1", "16", "--small"])
+    print("\n".join(f"{t:6.1f} {s}" for t, s in lines))
+    print(err[-4000:])
+    return rc, lines, err
+
+
+def test_demo_verbose_reaches_the_rank_processes(verbose_demo):
+    rc, lines, err = verbose_demo
+    assert rc == 0, err
+    for rank in (0, 1):  # the INFO log of K3MoETail's construction, from inside each rank process
+        assert f"[rank {rank}] INFO k3tail: K3MoETail negotiated" in err, err[-3000:]
+
+
+def test_demo_prints_progress_at_least_every_5_s(verbose_demo):
+    rc, lines, err = verbose_demo
+    assert rc == 0, err
+    start = next(t for t, s in lines if s.startswith("k3tail demo:"))
+    end = next(t for t, s in lines if s.startswith("verdict:"))
+    times = [t for t, _ in lines if start <= t <= end]
+    gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+    print("largest gap between output lines:", max(gaps))
+    assert max(gaps) <= 5.0, gaps
+    assert sum(s.startswith("[") and " s] " in s for _, s in lines) >= 3  # "[  12.3 s] M=16: ..." lines
+
+
+def test_progress_heartbeat_while_a_step_takes_long(capsys):
+    """A step longer than the heartbeat still prints: ``... <step> (still running)`` every ``every`` s."""
+    from k3tail.tools import demo
+
+    assert demo.HEARTBEAT_S + 0.25 < 5.0  # the default: a line at least every 5 s
+    t0 = time.perf_counter()
+    stamps = []
+    with demo.Progress(t0, every=1.0, poll=0.05) as progress:
+        progress.step("M=1: a slow step")
+        for _ in range(70):  # 3.5 s, sampling what was printed
+            time.sleep(0.05)
+            out = capsys.readouterr().out
+            stamps += [(time.perf_counter() - t0, s) for s in out.splitlines()]
+    stamps += [(time.perf_counter() - t0, s) for s in capsys.readouterr().out.splitlines()]
+    print(stamps)
+    assert "M=1: a slow step" in stamps[0][1] and "still running" not in stamps[0][1]
+    beats = [t for t, s in stamps if s.endswith("... M=1: a slow step (still running)")]
+    assert len(beats) >= 2, stamps
+    times = [t for t, _ in stamps]
+    assert max(b - a for a, b in zip(times[:-1], times[1:], strict=True)) <= 1.5
+
+
+def test_demo_prints_a_verdict_and_units(verbose_demo):
+    rc, lines, err = verbose_demo
+    assert rc == 0, err
+    text = [s for _, s in lines]
+    verdict = [s for s in text if s.startswith("verdict:")]
+    assert len(verdict) == 1 and verdict[0].startswith("verdict: OK: ") and "within 1 ulp" in verdict[0]
+    head = next(i for i, s in enumerate(text) if s.lstrip().startswith("M  tier"))
+    units = text[head + 1]
+    for unit in ("[ulp]", "[%]", "[s]"):
+        assert unit in units, units
+    rows = [s for s in text[head + 2:text.index(verdict[0])] if s.strip()]
+    assert len(rows) == 2 * 4 and all(" OK " in r for r in rows), rows  # 3 tiers + the standalone op, 2 M
+    # on CPU there is no CUDA graph: the selector's phase is named for what it means, not "graph"
+    assert not any("graph" in r for r in rows) and any(" decode " in r for r in rows), rows
+    legend = "\n".join(text[text.index(verdict[0]):])
+    assert "Triton's interpreter" in legend and "bias" in legend and "graph_phase=True" in legend
+
+
+def test_tune_writes_the_user_table_by_default_and_says_where(monkeypatch, tmp_path, capsys):
+    """Without --out, `k3tail tune` merges into the user table ($XDG_CONFIG_HOME/k3tail/tactics.json),
+    never into the installed package; --help names both."""
+    from k3tail import tuning as T
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    rc, out = inproc(capsys, "tune", "--help")
+    flat = "".join(out.split())  # argparse wraps long paths at hyphens
+    assert rc == 0 and "".join(str(tmp_path / "cfg" / "k3tail" / "tactics.json").split()) in flat, out
+    assert "loadsaheadoftheshipped" in flat
+    shipped = T.SHIPPED_TABLE.stat().st_mtime_ns if T.SHIPPED_TABLE.exists() else None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(T, "device_fields", lambda device=None: {"device_name": "Fake GPU", "sm": "9.0",
+                                                                 "triton": "3.6.0"})
+    monkeypatch.setattr(BR, "results_meta", lambda **kw: {"device": "Fake GPU", "commit": "abc", "date": "d",
+                                                           "torch": "t", "triton": "3.6.0", **kw})
+    import k3tail.runtime.loopback as WS
+
+    monkeypatch.setattr(WS, "LoopbackWorld", lambda W: type("FakeWorld", (), {"world_size": W})())
+    monkeypatch.setattr(TT, "SPECS", {"Fake": _FakeSpec()})
+    monkeypatch.setattr(BT, "time_graph", _fake_timer(lambda: 10.0 + _FakeSpec.current["a"]))
+    rc, text = inproc(capsys, "tune", "--kernels", "Fake", "--world-sizes", "2", "--no-crossovers", "--no-plot",
+                      "--out-dir", str(tmp_path / "res"))
+    assert rc == 0, text
+    user = tmp_path / "cfg" / "k3tail" / "tactics.json"
+    assert user.exists() and f"to {user}" in text
+    assert len(T.read_table(user)) == 1
+    assert (T.SHIPPED_TABLE.stat().st_mtime_ns if T.SHIPPED_TABLE.exists() else None) == shipped

@@ -207,3 +207,74 @@ def test_bad_arguments():
         k3tail.spawn(0, _rank_info, "x")
     with pytest.raises(ValueError):
         k3tail.spawn(1, _rank_info, "x", device="tpu")
+
+
+def test_fn_the_ranks_cannot_import_fails_with_the_real_error():
+    """``fn`` defined under ``python -c`` cannot be unpickled by a fresh process: the SpawnError
+    carries the child's AttributeError and says why, not only "exited with code 1"."""
+    import sys
+
+    code = ("import k3tail\n"
+            "def fn(rank, world_size):\n"
+            "    return rank\n"
+            "try:\n"
+            "    k3tail.spawn(2, fn, timeout=120)\n"
+            "except k3tail.runtime.spawn.SpawnError as e:\n"
+            "    print('SPAWNERROR', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    print(p.stdout[-3000:], p.stderr[-3000:])
+    assert "SPAWNERROR" in p.stdout
+    msg = p.stdout[p.stdout.index("SPAWNERROR"):]
+    assert "AttributeError" in msg and "'fn'" in msg, msg
+    assert "module-level function" in msg and "without a result" not in msg
+
+
+def test_unpicklable_fn_fails_in_the_caller():
+    with pytest.raises(ValueError, match="picklable"):
+        k3tail.spawn(2, lambda rank, world_size: rank)
+
+
+def _rank_logging(rank, W):
+    import logging
+
+    lg = logging.getLogger("k3tail")
+    lg.info("rank %d says hello", rank)
+    root = logging.getLogger()
+    return {"k3tail": lg.getEffectiveLevel(), "handlers": len(root.handlers),
+            "format": root.handlers[0].formatter._fmt if root.handlers else None}
+
+
+def test_ranks_copy_the_logging_setup(monkeypatch):
+    import logging
+
+    from k3tail.runtime.spawn import logging_setup
+
+    lg = logging.getLogger("k3tail")
+    monkeypatch.setattr(lg, "level", logging.DEBUG)  # what `k3tail -vv` sets (pytest's handlers are on root)
+    setup = logging_setup()
+    assert setup is not None and setup["k3tail_level"] == logging.DEBUG
+    res = k3tail.spawn(2, _rank_logging)
+    for rank, r in enumerate(res):
+        assert r["k3tail"] == logging.DEBUG, r
+        assert r["handlers"] >= 1 and r["format"].startswith(f"[rank {rank}] "), r
+    # nothing configured here: the ranks keep logging's defaults (WARNING, no handler)
+    monkeypatch.setattr(lg, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    assert logging_setup() is None
+    res = k3tail.spawn(2, _rank_logging)
+    assert [(r["k3tail"], r["handlers"]) for r in res] == [(logging.WARNING, 0)] * 2
+
+
+def test_a_test_module_function_spawns_from_outside_the_repository(tmp_path):
+    """pytest started outside the checkout (importlib mode adds nothing to sys.path): the ranks
+    import this module as ``tests.test_spawn`` by the path pyproject's ``pythonpath`` gives."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"{here}::test_results_in_rank_order_with_tensors_and_cleanup"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    print(p.stdout[-3000:], p.stderr[-3000:])
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr

@@ -3,6 +3,7 @@
 import torch
 
 from k3tail.tools import bench as B
+from k3tail.tools import bench_rig as BG
 from k3tail.tools import timing as BT
 from k3tail.tools import traffic as T
 
@@ -52,7 +53,7 @@ class _Mod:
 
         return select_tier(num_tokens=num_tokens, graph_phase=graph_phase, caps=self.caps)
 
-    def possible(self, tier, M):
+    def why_not(self, tier, M):
         return None
 
     def __call__(self, **kw):
@@ -78,14 +79,14 @@ def test_bench_world_records_bytes_and_times_the_old_large_m_path(monkeypatch):
 
     def timer(step, warm_step=None, **kw):
         (warm_step or step)(0)
-        return {**B.summarize([10.0, 11.0]), "calls": 1, "replays": 2}
+        return {**BT.summarize([10.0, 11.0]), "calls": 1, "replays": 2}
 
     monkeypatch.setattr(BT, "time_graph", timer)
     monkeypatch.setattr(BT, "time_eager", timer)
     caps = TailCaps(tail_fusion_max_tokens=16, fused_ar=True, lane_max_tokens=8)
     rig, old = _Rig(caps, "sharded"), _Rig(caps, "allreduce")
-    res = B.bench_world(rig, [4, 32], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
-                        baseline_rig=old, baselines=False, progress=print)
+    res = BG.bench_world(rig, [4, 32], tiers=None, phases=["graph"], deferred=True, budget_s=0.01, max_calls=1,
+                         baseline_rig=old, baselines=False, progress=print)
     for p in res["points"]:
         kind = "sharded" if p["tier"] == "FUSED_LANE_AR" and p["M"] > 8 else p["tier"]
         assert (p["bytes_per_rank"], p["bytes_formula"]) == T.bytes_per_rank(
@@ -104,13 +105,13 @@ def test_bench_json_carries_the_readme_bytes_at_w8(monkeypatch):
 
     def timer(step, warm_step=None, **kw):
         (warm_step or step)(0)
-        return {**B.summarize([10.0]), "calls": 1, "replays": 1}
+        return {**BT.summarize([10.0]), "calls": 1, "replays": 1}
 
     monkeypatch.setattr(BT, "time_graph", timer)
     caps = TailCaps(fused_ar=True, lane_max_tokens=64)
     rig = _Rig(caps, "sharded", W=8)
-    res = B.bench_world(rig, [64, 1024, 8192], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False,
-                        budget_s=0.01, max_calls=1, baselines=False, progress=lambda s: None)
+    res = BG.bench_world(rig, [64, 1024, 8192], tiers=["SEPARATE_REDUCE"], phases=["graph"], deferred=False,
+                         budget_s=0.01, max_calls=1, baselines=False, progress=lambda s: None)
     assert set(res["large_m_bytes"]) == {"1024", "8192"}
     for M in (1024, 8192):
         assert res["large_m_bytes"][str(M)] == T.table(M=M, W=8, L=32, H=64, e=2)
@@ -122,6 +123,3 @@ def test_bench_json_carries_the_readme_bytes_at_w8(monkeypatch):
             "bf16_lane": 308_281_344}
     assert {M: {k: v["bytes"] for k, v in t.items()} for M, t in k3.items()} == {
         "1024": {k: v // 8 for k, v in want.items()}, "8192": want}
-    # a module that predates the sharded path (no large_m attribute) runs the grouped all-reduce above
-    # the lane: its FUSED_LANE_AR points are counted as that
-    assert B.large_m_kind(object()) == "allreduce"

@@ -197,3 +197,33 @@ def test_loopback_crossovers_apply_to_loopback_worlds_only():
             got = T.crossovers(table, world_size=4, shape="S", warn=False, loopback=lb, **fields)
             assert got == ({"lane_max_tokens": 7, "large_m_min_tokens": 3} if lb in want else {}), (info, lb, got)
         assert T.crossovers(table, world_size=4, shape="S", warn=False, **fields)["large_m_min_tokens"] == 3
+
+
+def test_user_table_path_follows_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert T.user_table_path() == tmp_path / "xdg" / "k3tail" / "tactics.json"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in ("", "relative/dir"):  # unset, or not absolute (the XDG spec ignores it): ~/.config
+        monkeypatch.setenv("XDG_CONFIG_HOME", unset)
+        assert T.user_table_path() == tmp_path / "home" / ".config" / "k3tail" / "tactics.json"
+
+
+def test_user_table_overlays_the_shipped_one_and_the_env_overlays_both(tmp_path, monkeypatch):
+    monkeypatch.delenv(T.TABLE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    shipped = T.load_table()
+    assert "user" not in shipped.meta  # no user table yet: the shipped one alone
+    key = T.make_key("LatentTail", world_size=4, shape=K3, **FIELDS)
+    user = T.save_table(_table("user"), T.user_table_path())
+    merged = T.load_table()
+    assert merged.get(key)["tactic"]["tag"] == "user" and str(user) in merged.source
+    assert set(shipped.entries) <= set(merged.entries)  # the shipped entries fill the rest
+    over = T.save_table(_table("override"), tmp_path / "over.json")
+    monkeypatch.setenv(T.TABLE_ENV, str(over))
+    assert T.load_table().get(key)["tactic"]["tag"] == "override"
+    monkeypatch.delenv(T.TABLE_ENV)
+    user.write_text("{broken")  # a broken user table is an error naming it, not a silent fallback
+    with pytest.raises(ValueError, match="user tactic table"):
+        T.load_table()
+    user.unlink()
+    assert "user" not in T.load_table().meta

@@ -16,6 +16,14 @@ Placement (:func:`spawn_plan`):
 Every rank gets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0``,
 ``NVSHMEM_DISABLE_NVLS=1`` (DESIGN §8: never NVLink multicast).
 
+What a rank inherits: ``sys.path`` (multiprocessing's spawn start method), the environment plus
+the plan's variables, and the logging setup: where this process configured logging (root
+handlers, as ``logging.basicConfig`` or ``k3tail -v`` do) each rank configures the same level
+and format, prefixed with its rank, so ``k3tail -v demo`` shows the ranks' INFO logs.  ``fn``
+and ``args`` travel pickled as bytes and are unpickled inside the rank's error handling: a
+function the fresh process cannot import (defined under ``python -c``, in a notebook) fails with
+the real ``AttributeError`` / ``ImportError`` in the :class:`SpawnError`, not a bare exit code.
+
 Cleanup: each rank process leads its own process group (``setpgid``) and dies with the
 parent (``PR_SET_PDEATHSIG``).  The parent learns exit statuses with ``waitid(WNOWAIT)``, so
 no rank is reaped before the end; then it SIGKILLs every rank's whole process group (a
@@ -30,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import io
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -39,6 +48,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional
 
 from k3tail.errors import K3TailError
@@ -128,10 +138,42 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _child(rank, world_size, cuda_index, backend, init_file, env, parent_pid, fn, args, conn):
+def logging_setup() -> Optional[Dict[str, Any]]:
+    """This process's logging setup as a rank process should copy it: None where nothing was
+    configured (no root handler, no level on the ``k3tail`` logger); else the root level and the
+    first root handler's format, and the ``k3tail`` logger's own level."""
+    root, lg = logging.getLogger(), logging.getLogger("k3tail")
+    if not root.handlers and lg.level == logging.NOTSET:
+        return None
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None
+                and getattr(h.formatter, "_fmt", None)), None)
+    return {"root_level": root.level, "k3tail_level": lg.level, "format": fmt, "handlers": bool(root.handlers)}
+
+
+def _apply_logging(setup: Optional[Dict[str, Any]], rank: int) -> None:
+    if setup is None:
+        return
+    if setup["handlers"]:
+        logging.basicConfig(level=setup["root_level"], format=f"[rank {rank}] " + (setup["format"] or
+                                                                                 logging.BASIC_FORMAT))
+    if setup["k3tail_level"] != logging.NOTSET:
+        logging.getLogger("k3tail").setLevel(setup["k3tail_level"])
+
+
+UNPICKLE_HINT = ("a fresh process imports fn by its module and name: fn must be a module-level function of a "
+                 "module the ranks can import (not one defined under `python -c` or in a notebook)")
+
+
+def _child(rank, world_size, cuda_index, backend, init_file, env, parent_pid, payload, log_setup, conn):
     _die_with_parent(parent_pid)
     os.environ.update(env)
     try:
+        _apply_logging(log_setup, rank)
+        try:
+            fn, args = ForkingPickler.loads(payload)
+        except Exception as e:  # noqa: BLE001 - reported to the parent with the hint
+            raise SpawnError(f"could not unpickle fn or its args ({type(e).__name__}: {e}); {UNPICKLE_HINT}",
+                             world_size=world_size) from e
         import torch
         import torch.distributed as dist
 
@@ -205,8 +247,9 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
     ``device="cuda"``: one process per GPU with NCCL (rank r on cuda:r) when there are
     enough GPUs, else every rank on cuda:0 with gloo and torch symmetric memory's
     overlapping-devices mode.  ``backend`` overrides the process-group backend; ``env``
-    adds variables to every rank's environment.  ``fn`` and ``args`` must be picklable
-    (module-level functions).
+    adds variables to every rank's environment.  ``fn`` and ``args`` must be picklable, and
+    ``fn`` importable by a fresh process (a module-level function of an importable module);
+    the ranks copy this process's logging setup (:func:`logging_setup`).
 
     Returns the per-rank return values in rank order; tensors come back on the CPU (they
     are serialized, so they outlive the child).  Failure raises :class:`SpawnError` (a
@@ -220,6 +263,12 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
     plan = spawn_plan(world_size, device, backend, env)
     if not callable(fn):
         raise ValueError("fn must be callable")
+    try:
+        payload = bytes(ForkingPickler.dumps((fn, args)))
+    except Exception as e:  # a lambda, a local function, an unpicklable argument
+        raise ValueError(f"spawn: fn and args must be picklable (a module-level function; {type(e).__name__}: "
+                         f"{e})") from e
+    log_setup = logging_setup()
     import torch
 
     ctx = mp.get_context("spawn")
@@ -235,7 +284,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"k3tail-rank{rank}",
                             args=(rank, world_size, plan.devices[rank], plan.backend, init_file, env,
-                                  os.getpid(), fn, args, child_end),
+                                  os.getpid(), payload, log_setup, child_end),
                             daemon=True)
             p.start()
             child_end.close()
@@ -259,7 +308,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
             for c in mp_wait(list(pending), timeout=min(left, 0.5)):
                 r = pending.pop(c)
                 try:
-                    kind, payload = c.recv()
+                    kind, msg = c.recv()
                 except EOFError:  # gone without a word: find out how (it may still be exiting)
                     code = None
                     t_end = time.monotonic() + 5.0
@@ -271,9 +320,9 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
                     failed()
                     continue
                 if kind == "ok":
-                    results[r] = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+                    results[r] = torch.load(io.BytesIO(msg), map_location="cpu", weights_only=False)
                 else:
-                    errors[r] = payload
+                    errors[r] = msg
                     failed()
             for c, r in list(pending.items()):  # a rank whose pipe a descendant keeps open
                 code = _exit_status(procs[r])

@@ -7,7 +7,7 @@ time of a replay is the time until the LAST rank finishes (the max over ranks, b
 construction).  Note what loopback means for the numbers: the W ranks share one GPU's SMs and
 HBM bandwidth (a loopback W=8 does 8 ranks' work on one GPU), so the times measure protocol
 and launch overheads and the relative order of the tiers, not a W-GPU machine's absolute time.
-Several GPUs: run under ``torchrun --nproc-per-node W -m k3tail.tools.cli bench``; every process is a
+Several GPUs: run under ``torchrun --nproc-per-node W -m k3tail bench``; every process is a
 rank, every iteration's time is reduced with MAX over the ranks, rank 0 writes the results.
 
 Timing: graph tiers (TAIL_FUSION, CUTE_FINALIZE) by CUDA-graph replay only (they engage only
@@ -23,9 +23,9 @@ against it at the same M and phase) and the cuBLAS projection (``normed @ W_up_s
 rank, the GEMM every tier has to do).
 
 Writes ``bench/results/<name>.json`` (device, gpus, loopback, commit, date, torch, triton,
-figures) and ``<name>.png`` (the tier map).  The helpers ``results_meta``, ``write_results``,
-``line_plot`` and ``tier_map_plot`` are shared with the bench scripts (``bench/plot.py``
-re-exports them).
+figures) and ``<name>.png`` (the tier map).  The helpers: :mod:`k3tail.tools.bench_rig` (the
+ranks, their inputs, :func:`~k3tail.tools.bench_rig.bench_world`), :mod:`k3tail.tools.timing`,
+:mod:`k3tail.tools.traffic` (bytes per rank) and :mod:`k3tail.tools.bench_results` (JSON, plots).
 """
 
 from __future__ import annotations
@@ -35,37 +35,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List
 
 import torch
 
-# The implementation lives in three modules; every name importable from here before the split
-# still is (callers and tests use e.g. B._Rig, B.bench_world, B._caps_dict; tests replace the timers on
-# k3tail.tools.timing, where bench_world looks them up).
-from k3tail.tools.bench_results import (REPO_ROOT, TIER_COLORS, _jsonable, _pyplot, _save_figure,  # noqa: F401
-                            git_commit, line_plot, log, results_meta, tier_map_plot, write_results)
-from k3tail.tools.bench_rig import (DTYPES, GRAPH_ONLY, _caps_dict, _gen, _Rig, _tier_enum, bench_world,  # noqa: F401
-                        large_m_kind, module_accepts, rank_inputs, rank_weights, tier_ranges, up_rows)
-from k3tail.tools.timing import (_events, _max_over_ranks, _rank_uniform_int, summarize, time_eager,  # noqa: F401
-                           time_graph)
+from k3tail.tools import bench_results, bench_rig, traffic
+from k3tail.tools.options import (DTYPES, GPU_ONLY_MSG, UsageError, add_loopback_arguments, int_list,
+                                  non_negative_float, non_negative_int, positive_float, positive_int)
 
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192)
 DEFAULT_W = (2, 4, 8)
-GPU_ONLY_MSG = ("k3tail {cmd}: needs a CUDA GPU (it times CUDA-graph replay of the real kernels); "
-                "no CUDA device is visible here. Run it on a GPU machine; on CPU use `k3tail demo`.")
-
-
-def parse_ints(text: str) -> List[int]:
-    """``"1,2,4"`` or ``"1 2 4"`` -> [1, 2, 4] (argparse type)."""
-    import argparse
-
-    try:
-        vals = [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
 
 
 def make_config(args, max_tokens: int, W: int):
@@ -91,24 +69,12 @@ def init_multiproc() -> int:
     return dist.get_world_size()
 
 
-# ====================================================================== CLI
-def add_common_arguments(parser, *, world_sizes_default=DEFAULT_W):
-    parser.add_argument("--world-sizes", type=parse_ints, default=list(world_sizes_default),
-                        help="loopback world sizes, comma-separated (default %(default)s); ignored under "
-                             "torchrun, where W is the number of processes")
-    parser.add_argument("--hidden", type=int, default=7168, help="H (default K3: 7168)")
-    parser.add_argument("--latent", type=int, default=3584, help="L (default K3: 3584)")
-    parser.add_argument("--top-k", type=int, default=16, help="top-k (default K3: 16)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--seed", type=int, default=0)
-
-
 def add_arguments(parser):
     parser.description = (parser.description or "") + (
         ". GPU only: loopback on one GPU (--world-sizes), or one process per GPU under torchrun "
-        "(torchrun --nproc-per-node W -m k3tail.tools.cli bench).")
-    add_common_arguments(parser)
-    parser.add_argument("--m", type=parse_ints, default=list(DEFAULT_M),
+        "(torchrun --nproc-per-node W -m k3tail bench).")
+    add_loopback_arguments(parser, world_sizes=DEFAULT_W)
+    parser.add_argument("--m", type=int_list, default=list(DEFAULT_M),
                         help="token counts M, comma-separated (default %(default)s); M above a tier's "
                              "capacity is skipped for that tier")
     parser.add_argument("--tiers", type=lambda s: [t.strip().upper() for t in s.split(",") if t.strip()],
@@ -117,9 +83,9 @@ def add_arguments(parser):
                         default=["graph", "eager"], help="graph,eager (default both)")
     parser.add_argument("--routed", action="store_true",
                         help="feed materialized routed [M, L] instead of the deferred finalize triple")
-    parser.add_argument("--budget-s", type=float, default=0.25,
+    parser.add_argument("--budget-s", type=positive_float, default=0.25,
                         help="seconds of replays per point (default %(default)s)")
-    parser.add_argument("--max-calls", type=int, default=8,
+    parser.add_argument("--max-calls", type=positive_int, default=8,
                         help="tail calls per captured graph, each with its own weight (default %(default)s)")
     parser.add_argument("--out-dir", default="bench/results", help="where JSON and PNG go (default %(default)s)")
     parser.add_argument("--name", default=None, help="results file stem (default tier_map_<device>)")
@@ -127,10 +93,11 @@ def add_arguments(parser):
     parser.add_argument("--no-large-m-baseline", dest="large_m_baseline", action="store_false",
                         help="skip timing the large-M path before the sharded one (large_m='allreduce') "
                              "above the lane capacity")
-    parser.add_argument("--lane-max-tokens", type=int, default=None,
+    parser.add_argument("--lane-max-tokens", type=non_negative_int, default=None,
                         help="lane collective capacity of the K3MoETail built (default: the module's)")
-    parser.add_argument("--timeout-s", type=float, default=20.0, help="peer wait timeout (default %(default)s)")
-    parser.add_argument("--max-seconds", type=float, default=240.0,
+    parser.add_argument("--timeout-s", type=positive_float, default=20.0,
+                        help="peer wait timeout (default %(default)s)")
+    parser.add_argument("--max-seconds", type=non_negative_float, default=240.0,
                         help="time budget: points not started by then are skipped and listed as such "
                              "(default %(default)s; 0 = none)")
 
@@ -141,39 +108,32 @@ README_BYTES_W, README_BYTES_M = 8, (1024, 8192)
 def readme_large_m_bytes(latent: int, hidden: int, dtype) -> dict:
     """``{str(M): k3tail.tools.traffic.table(...)}`` at W=8 for M=1024 and 8192 (allreduce / sharded /
     bf16_lane, process-group formulas): the inputs of the README's large-M bytes table."""
-    from k3tail.tools import traffic
-
     e = torch.empty((), dtype=dtype).element_size()
     return {str(M): traffic.table(M=M, W=README_BYTES_W, L=latent, H=hidden, e=e) for M in README_BYTES_M}
 
 
-def _slug(text: str) -> str:
-    return "".join(c.lower() if c.isalnum() else "_" for c in text).strip("_") or "gpu"
-
-
 def main(args) -> int:
+    from k3tail.tiers import Tier
+
+    bad = [t for t in (args.tiers or []) if t not in Tier.__members__]
+    if bad:
+        raise UsageError(f"unknown tier(s) {bad}; known: {list(Tier.__members__)}")
+    bad = [p for p in args.phases if p not in ("graph", "eager")]
+    if bad:
+        raise UsageError(f"unknown phase(s) {bad}; known: graph, eager")
     if not torch.cuda.is_available():
         print(GPU_ONLY_MSG.format(cmd="bench"), file=sys.stderr)
         return 2
     from k3tail.testing import no_multicast
-    from k3tail.tiers import Tier
 
     no_multicast()
-    bad = [t for t in (args.tiers or []) if t not in Tier.__members__]
-    if bad:
-        print(f"k3tail bench: unknown tier(s) {bad}; known: {list(Tier.__members__)}", file=sys.stderr)
-        return 2
-    bad = [p for p in args.phases if p not in ("graph", "eager")]
-    if bad:
-        print(f"k3tail bench: unknown phase(s) {bad}; known: graph, eager", file=sys.stderr)
-        return 2
     multiproc = multiproc_world()
     world_sizes = [init_multiproc()] if multiproc else list(args.world_sizes)
     rank0 = (not multiproc) or int(os.environ.get("RANK", "0")) == 0
     say = (lambda s: print(s, flush=True)) if rank0 else (lambda s: None)
     ms = sorted(set(args.m))
     t_start = time.perf_counter()
-    meta = results_meta(loopback=not multiproc)
+    meta = bench_results.results_meta(loopback=not multiproc)
     say(f"k3tail bench on {meta['device']} ({'torchrun, %d processes' % world_sizes[0] if multiproc else 'loopback'})"
         f": W={world_sizes}, M={ms}, H={args.hidden} L={args.latent} K={args.top_k} {args.dtype}, "
         f"{'routed' if args.routed else 'deferred triple'}")
@@ -187,17 +147,17 @@ def main(args) -> int:
         if args.lane_max_tokens is not None:
             kw["lane_max_tokens"] = args.lane_max_tokens
         try:
-            rig = _Rig(W, cfg, multiproc=multiproc, module_kwargs=kw)
+            rig = bench_rig.Rig(W, cfg, multiproc=multiproc, module_kwargs=kw)
             say(f"W={W}: built in {time.perf_counter() - t0:.1f} s; caps {rig.caps}; "
-                f"tiers {list(tier_ranges(rig.caps, cfg))}")
+                f"tiers {list(bench_rig.tier_ranges(rig.caps, cfg))}")
             old = None
             lane_cap = rig.caps.lane_max_tokens if rig.caps.fused_ar else 0
             if (args.large_m_baseline and rig.caps.fused_ar and any(M > lane_cap for M in ms)
-                    and (not args.tiers or "FUSED_LANE_AR" in args.tiers) and module_accepts("large_m")):
-                old = _Rig(W, cfg, multiproc=multiproc, prefix="layers.0.baseline",
+                    and (not args.tiers or "FUSED_LANE_AR" in args.tiers)):
+                old = bench_rig.Rig(W, cfg, multiproc=multiproc, prefix="layers.0.baseline",
                            module_kwargs={**kw, "large_m": "allreduce"})
             try:
-                wres = bench_world(rig, ms, tiers=args.tiers, phases=args.phases, deferred=not args.routed,
+                wres = bench_rig.bench_world(rig, ms, tiers=args.tiers, phases=args.phases, deferred=not args.routed,
                                    budget_s=args.budget_s, max_calls=max(1, args.max_calls), seed=args.seed,
                                    deadline=deadline, baseline_rig=old, progress=say)
             finally:
@@ -217,7 +177,7 @@ def main(args) -> int:
         say(f"W={W}: done in {wres['seconds']:.1f} s")
     if not rank0:
         return 1 if error else 0
-    name = args.name or f"tier_map_{_slug(meta['device'])}"
+    name = args.name or f"tier_map_{bench_results.slug(meta['device'])}"
     payload = {
         **meta,
         "what": "per-layer time of the MoE tail (K3MoETail forward, tier forced) against M and W",
@@ -256,15 +216,15 @@ def main(args) -> int:
         "seconds": time.perf_counter() - t_start,
     }
     if not args.no_plot:
-        png = tier_map_plot(payload, Path(args.out_dir) / f"{name}.png",
+        png = bench_results.tier_map_plot(payload, Path(args.out_dir) / f"{name}.png",
                             title=f"k3tail tier map: {meta['device']}, H={args.hidden} L={args.latent} "
                                   f"K={args.top_k} {args.dtype}{', loopback' if not multiproc else ''}")
         if png:
             payload["figures"].append(png.name)
             say(f"wrote {png}")
-    path = write_results(name, payload, args.out_dir)
+    path = bench_results.write_results(name, payload, args.out_dir)
     say(f"wrote {path}")
-    _print_summary(worlds, say)
+    print_summary(worlds, say)
     say(f"total {time.perf_counter() - t_start:.1f} s")
     if error:
         say(f"INCOMPLETE: W={error['world_size']} failed ({error['error']}); the worlds before it are in {path}")
@@ -272,7 +232,8 @@ def main(args) -> int:
     return 0
 
 
-def _print_summary(worlds, say):
+def print_summary(worlds, say) -> None:
+    """The median per layer of every point, a table per W and phase, the selector's choice marked."""
     for w in worlds:
         say(f"W={w['world_size']}: median us per layer (selector's choice marked *)")
         tiers = sorted({p["tier"] for p in w["points"]})

@@ -1,8 +1,10 @@
-"""Results of the bench commands: meta (device, commit, versions), JSON, plots.
+"""What a benchmark run leaves behind: its meta (device, commit, versions), its JSON and its plots.
 
-Split out of :mod:`k3tail.tools.bench` (which re-exports every name here): ``results_meta``,
-``write_results``, ``line_plot`` and ``tier_map_plot`` are shared with the bench scripts
-(``bench/plot.py`` re-exports them) and with ``k3tail tune``.
+Used by ``k3tail bench``, ``k3tail tune`` and the scripts in ``bench/`` (which import from here):
+:func:`results_meta`, :func:`write_results` (NaN/inf as null, enums by name: :func:`jsonable`),
+:func:`line_plot`, :func:`tier_map_plot`, and :func:`pyplot` / :func:`save_figure` for other
+figures.  matplotlib is optional (the ``bench`` extra): without it the plots are skipped with a
+warning.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 log = logging.getLogger("k3tail")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # k3tail/tools/ -> the checkout (an install has no .git)
 
 
 def git_commit(cwd=None) -> str:
@@ -69,15 +71,17 @@ def results_meta(*, loopback: Optional[bool] = None, device=None) -> Dict[str, A
     }
 
 
-def _jsonable(x):
+def jsonable(x):
+    """``x`` as JSON can hold it: enums by name (before int: Tier is an IntEnum), NaN/inf as None,
+    tuples as lists, dict keys as str, anything else unknown as its str."""
     import enum
 
-    if isinstance(x, enum.Enum):  # before int: Tier is an IntEnum
+    if isinstance(x, enum.Enum):
         return x.name
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
         return None
     if isinstance(x, (str, int, float, bool)) or x is None:
@@ -85,16 +89,22 @@ def _jsonable(x):
     return str(x)
 
 
+def slug(text: str) -> str:
+    """A file-name stem from a device name: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    return "".join(c.lower() if c.isalnum() else "_" for c in text).strip("_") or "gpu"
+
+
 def write_results(name: str, payload: Dict[str, Any], out_dir="bench/results") -> Path:
     """Write ``payload`` (NaN/inf become null, enums their names) to ``out_dir/name.json``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps(_jsonable(payload), indent=1) + "\n")
+    path.write_text(json.dumps(jsonable(payload), indent=1) + "\n")
     return path
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a warning) where matplotlib is missing."""
     try:
         import matplotlib
 
@@ -109,7 +119,7 @@ def _pyplot():
 def line_plot(series: Dict[str, Sequence], path, *, title: str = "", xlabel: str = "", ylabel: str = "",
               logx: bool = True, logy: bool = True) -> Optional[Path]:
     """One line per ``series[name] = [(x, y), ...]``; log2 x axis; PNG to ``path``."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -124,10 +134,10 @@ def line_plot(series: Dict[str, Sequence], path, *, title: str = "", xlabel: str
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    return _save_figure(plt, fig, path, dpi=120)
+    return save_figure(plt, fig, path, dpi=120)
 
 
-def _save_figure(plt, fig, path, *, dpi: int) -> Path:
+def save_figure(plt, fig, path, *, dpi: int) -> Path:
     """Lay out, write the PNG (creating its folder) and close the figure."""
     fig.tight_layout()
     path = Path(path)
@@ -146,7 +156,7 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
     """The tier map: one row per W, one column per phase (graph / eager); a line per tier
     (median us per call against M), the cuBLAS projection dashed, and the tier the selector
     picks at each M circled."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     worlds = results["worlds"]
@@ -187,4 +197,4 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
                 ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    return _save_figure(plt, fig, path, dpi=110)
+    return save_figure(plt, fig, path, dpi=110)

@@ -1,9 +1,9 @@
-"""The tier map's rig: per-rank inputs and weights, the ranks of one W with their modules, and
-:func:`bench_world` (every possible tier timed at every M, with the bytes it moves).
+"""The tier map's rig: per-rank inputs and weights, the ranks of one W with their modules
+(:class:`Rig`), and :func:`bench_world` (every possible tier timed at every M, with the bytes it
+moves).  Used by ``k3tail bench``, ``k3tail tune`` and the scripts in ``bench/``.
 
-Split out of :mod:`k3tail.tools.bench` (which re-exports every name here).  :func:`bench_world` looks
-up ``time_graph`` / ``time_eager`` on :mod:`k3tail.tools.timing` at call time, so whoever replaces them
-there (the CPU tests' fake timers) reaches every point timed here.
+:func:`bench_world` looks up ``time_graph`` / ``time_eager`` on :mod:`k3tail.tools.timing` at call
+time, so whoever replaces them there (the CPU tests' fake timers) reaches every point timed here.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from k3tail.tools.timing import _rank_uniform_int
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from k3tail.tools import timing, traffic
 
 
-def _gen(device, seed):
+def generator(device, seed) -> torch.Generator:
+    """A seeded generator on ``device`` (inputs are drawn where they are used)."""
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
@@ -29,7 +28,7 @@ def rank_inputs(*, M: int, hidden: int, latent: int, top_k: int, dtype, device, 
     """One rank's tail inputs, drawn on the GPU: prefix_hidden, shared, and either routed
     ``[M, latent]`` or the deferred triple (``expert_out [M*top_k, latent]`` in permuted
     order, fp32 weights, int32 idx, no skipped slots: the worst case for the finalize)."""
-    g = _gen(device, seed)
+    g = generator(device, seed)
     out = {
         "prefix_hidden": torch.randn(M, hidden, generator=g, device=device).to(dtype),
         "shared": (torch.randn(M, hidden, generator=g, device=device) * 0.5).to(dtype),
@@ -47,40 +46,14 @@ def rank_inputs(*, M: int, hidden: int, latent: int, top_k: int, dtype, device, 
 def rank_weights(*, hidden: int, latent: int, up_rows: int, copies: int, dtype, device, seed: int):
     """``norm_weight [latent]`` and ``copies`` distinct ``up_weight [up_rows, latent]`` (one per
     call of a graph, so consecutive calls do not find their weight in L2)."""
-    g = _gen(device, seed)
+    g = generator(device, seed)
     norm_weight = (1.0 + 0.1 * torch.randn(latent, generator=g, device=device)).to(dtype)
     ups = [(torch.randn(up_rows, latent, generator=g, device=device) / math.sqrt(latent)).to(dtype)
            for _ in range(copies)]
     return norm_weight, ups
 
 
-def _tier_enum():
-    from k3tail.tiers import Tier
-    return Tier
-
-
-GRAPH_ONLY = ("TAIL_FUSION", "CUTE_FINALIZE")
-
-
-def module_accepts(name: str) -> bool:
-    """Does ``K3MoETail(...)`` take the keyword ``name`` (``large_m``: the build has the sharded
-    large-M path)?  The bench and the tuner build the large-M rigs only where it does."""
-    import inspect
-
-    from k3tail.module import K3MoETail
-
-    try:
-        params = inspect.signature(K3MoETail.__init__).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params
-
-
-def large_m_kind(mod) -> str:
-    """The :mod:`k3tail.tools.traffic` kind of ``mod``'s FUSED_LANE_AR above the lane capacity: its
-    ``large_m`` (``"sharded"`` or ``"allreduce"``); a module without the attribute predates the
-    sharded path and runs the grouped all-reduce there."""
-    return str(getattr(mod, "large_m", "allreduce"))
+GRAPH_ONLY = ("TAIL_FUSION", "CUTE_FINALIZE")  # tiers that engage only in the graph phase
 
 
 def tier_ranges(caps, cfg) -> Dict[str, tuple]:
@@ -88,7 +61,7 @@ def tier_ranges(caps, cfg) -> Dict[str, tuple]:
     FUSED_LANE_AR: with the lane collective (``fused_ar``), or with the sharded large-M path
     alone (``large_m``: a forced FUSED_LANE_AR runs it at every M above the lane, here all)."""
     out = {"SEPARATE_REDUCE": (1, cfg.max_tokens)}
-    if caps.fused_ar or getattr(caps, "solo", False) or caps.large_m == "sharded":
+    if caps.fused_ar or caps.solo or caps.large_m == "sharded":
         out["FUSED_LANE_AR"] = (1, cfg.max_tokens)
     if caps.tail_fusion_max_tokens > 0:
         # the capacity the tail was built for (a tuned threshold may have lowered the caps)
@@ -100,8 +73,9 @@ def tier_ranges(caps, cfg) -> Dict[str, tuple]:
     return out
 
 
-class _Rig:
-    """The ranks of one W (loopback world or this process's rank) with their modules."""
+class Rig:
+    """The ranks of one W with their modules: a loopback world (``multiproc=False``: W virtual
+    ranks on one GPU, ``world`` given or built) or this process's rank of a torchrun group."""
 
     def __init__(self, W: int, cfg, *, multiproc: bool, prefix: str = "layers.0", world=None,
                  module_kwargs: Optional[Dict[str, Any]] = None):
@@ -147,9 +121,9 @@ def up_rows(cfg, W: int) -> int:
     return cfg.hidden // W if cfg.shard_up_proj else cfg.hidden
 
 
-def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]], phases: Sequence[str],
+def bench_world(rig: Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]], phases: Sequence[str],
                 deferred: bool, budget_s: float, max_calls: int, seed: int = 0, baselines: bool = True,
-                deadline: Optional[float] = None, baseline_rig: Optional["_Rig"] = None,
+                deadline: Optional[float] = None, baseline_rig: Optional[Rig] = None,
                 progress: Callable[[str], None] = print) -> Dict[str, Any]:
     """Time every possible tier (and the cuBLAS projection) at every M for one W.
 
@@ -161,14 +135,12 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
     per layer (:mod:`k3tail.tools.traffic`)."""
 
     def out_of_time() -> bool:
-        return deadline is not None and bool(_rank_uniform_int(int(time.perf_counter() > deadline)))
+        return deadline is not None and bool(timing.rank_uniform_int(int(time.perf_counter() > deadline)))
 
-    from k3tail.tools import timing as _bench  # the timers, looked up at call time (see the module docstring)
-    from k3tail.tools import traffic
+    from k3tail.ops.projection import project
+    from k3tail.tiers import Tier
 
-    time_graph, time_eager = _bench.time_graph, _bench.time_eager
-
-    Tier = _tier_enum()
+    time_graph, time_eager = timing.time_graph, timing.time_eager  # looked up now: see the module docstring
     cfg, W = rig.cfg, rig.W
     world_kind = "loopback" if getattr(rig, "world", None) is not None else "group"
     elt = torch.empty((), dtype=cfg.dtype).element_size()
@@ -189,9 +161,8 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
         for tname, (lo, hi) in ranges.items():
             tier = Tier[tname]
             why = f"M outside the tier's range {lo}..{hi}" if not lo <= M <= hi else None
-            possible = getattr(rig.mods[0], "possible", None)
-            if why is None and callable(possible):
-                why = possible(tier, M)
+            if why is None:
+                why = rig.mods[0].why_not(tier, M)
             if why is None and out_of_time():
                 why = "time budget (--max-seconds) exhausted"
             if why is not None:
@@ -202,7 +173,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                     continue
                 graph_phase = phase == "graph"
 
-                def step(i, tier=tier, graph_phase=graph_phase, warm=True):
+                def step(i, tier=tier, graph_phase=graph_phase, warm=True, inputs=inputs):
                     return rig.run(lambda k: rig.mods[k](
                         **inputs[k], norm_weight=weights[k][0], up_weight=weights[k][1][i % len(weights[k][1])],
                         graph_phase=graph_phase, tier=tier), warm=warm)
@@ -225,7 +196,7 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
         lane_cap = rig.caps.lane_max_tokens if rig.caps.fused_ar else 0
         if baseline_rig is not None and M > lane_cap and "FUSED_LANE_AR" in ranges and not out_of_time():
             for phase in phases:
-                def old(i, graph_phase=phase == "graph", warm=True):
+                def old(i, graph_phase=phase == "graph", warm=True, inputs=inputs):
                     return baseline_rig.run(lambda k: baseline_rig.mods[k](
                         **inputs[k], norm_weight=weights[k][0], up_weight=weights[k][1][i % len(weights[k][1])],
                         graph_phase=graph_phase, tier=Tier.FUSED_LANE_AR), warm=warm)
@@ -245,25 +216,23 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
             inputs = None  # release this M's tensors before the next M allocates its own
             continue
         # cuBLAS projection baseline: what every tier's GEMM costs on its own (graph replay)
-        normed = [torch.randn(M, cfg.latent, device=dev, generator=_gen(dev, seed + r)).to(cfg.dtype)
+        normed = [torch.randn(M, cfg.latent, device=dev, generator=generator(dev, seed + r)).to(cfg.dtype)
                   for r in rig.ranks]
 
-        def gemm(i):
+        def gemm(i, normed=normed):
             return rig.run(lambda k: torch.matmul(normed[k], weights[k][1][i % len(weights[k][1])].t()))
 
         # k3tail.project: the same GEMM with the tiers' epilogue (fp32 prefix + shared, one rounding)
-        from k3tail.ops.projection import project
-
         cols = [slice(rk * rows, (rk + 1) * rows) if cfg.shard_up_proj else slice(0, cfg.hidden)
                 for rk in rig.ranks]  # the columns rank rk's projection produces
-        pre = [inputs[k]["prefix_hidden"][:, cols[k]].contiguous() for k in range(len(rig.ranks))]
-        shs = [inputs[k]["shared"][:, cols[k]].float().contiguous() for k in range(len(rig.ranks))]
+        pre_all = [inputs[j]["prefix_hidden"][:, cols[j]].contiguous() for j in range(len(rig.ranks))]
+        shs_all = [inputs[j]["shared"][:, cols[j]].float().contiguous() for j in range(len(rig.ranks))]
 
-        def proj(i, tactics=None):
+        def proj(i, tactics=None, normed=normed, pre=pre_all, shs=shs_all):
             return rig.run(lambda k: project(normed[k], weights[k][1][i % len(weights[k][1])], prefix_hidden=pre[k],
                                              shared_sum=shs[k], out_dtype=cfg.dtype, tactics=tactics))
 
-        def proj_te(i):  # the large-M path with the four-pass torch epilogue (same bits, the old default)
+        def proj_te(i, proj=proj):  # the large-M path with the four-pass torch epilogue (same bits, the old default)
             return proj(i, {"epilogue": "torch"})
 
         variants = [("cublas_projection", "cuBLAS proj.", gemm), ("k3tail_project", "k3tail.project", proj)]
@@ -276,9 +245,9 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
                 progress(f"  W={W} M={M:>5} {label:<16} graph median {res['median_us']:9.2f} us")
             except Exception as e:
                 skipped.append({"tier": name, "M": M, "why": f"{type(e).__name__}: {e}"})
-        inputs = normed = pre = shs = None  # release this M's tensors before the next M
+        inputs = normed = pre_all = shs_all = None  # release this M's tensors before the next M
     # bytes one rank moves per layer: the tier's algorithm (above the lane capacity, the large-M path)
-    large_m = large_m_kind(rig.mods[0])
+    large_m = rig.mods[0].large_m
     lane_cap = rig.caps.lane_max_tokens if rig.caps.fused_ar else 0
     for p in points:
         kind = large_m if p["tier"] == "FUSED_LANE_AR" and p["M"] > lane_cap else p["tier"]
@@ -290,19 +259,28 @@ def bench_world(rig: _Rig, ms: Sequence[int], *, tiers: Optional[Sequence[str]],
     for p in points:
         r = ref.get((p["M"], p["phase"]))
         p["speedup_vs_separate_reduce"] = (r / p["median_us"]) if r and p["median_us"] else None
-    mods = rig.mods
-    for m in mods:
-        check = getattr(m, "check", None)
-        if callable(check):
-            check()
-    return {"world_size": W, "caps": _caps_dict(rig.caps), "tier_ranges": ranges, "points": points,
+    for m in rig.mods:
+        check_ops(m)
+    return {"world_size": W, "caps": caps_dict(rig.caps), "tier_ranges": ranges, "points": points,
             "baselines": base_pts, "selected": selected, "skipped": skipped,
             "up_weight_rows_per_rank": rows,
             "large_m_bytes": {str(M): traffic.table(M=M, W=W, L=cfg.latent, H=cfg.hidden, e=elt)
                               for M in ms if M > lane_cap}}
 
 
-def _caps_dict(caps) -> Dict[str, Any]:
+def caps_dict(caps) -> Dict[str, Any]:
+    """A TailCaps (or a stand-in with the same attributes) as a dict."""
     from dataclasses import asdict, is_dataclass
 
     return asdict(caps) if is_dataclass(caps) else dict(vars(caps))
+
+
+def check_ops(mod) -> None:
+    """Raise what a timed-out GPU wait left behind: ``check()`` of every op ``mod`` allocated
+    (``K3MoETail.context``; a kernel that timed out exits and poisons its workspace, and the
+    error surfaces only at a check or the next call)."""
+    ctx = getattr(mod, "context", None)
+    for op in (vars(ctx).values() if ctx is not None else ()):
+        check = getattr(op, "check", None)
+        if callable(check):
+            check()

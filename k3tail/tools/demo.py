@@ -1,11 +1,14 @@
 """``k3tail demo``: the whole K3 MoE tail on CPU ranks (default) or in loopback on one GPU.
 
 For each token count M, every rank builds the same inputs' own part (its routed partial as the
-deferred finalize triple, its shared-expert partial, its rows of W_up), every tier possible
-here runs on them, and the demo prints the tier the selector takes (eager and inside a CUDA
-graph), each tier's error against the contract-faithful fp64 reference (max ulp, the fraction
-within 1 ulp allowing for latent elements on a rounding tie, signed bias) and its distance to
-SEPARATE_REDUCE, the portable reference path.
+deferred finalize triple, its shared-expert partial, its rows of W_up), every tier possible here
+runs on them (forced, ``tier=``), and the demo prints a verdict per tier and overall, with the
+statistics it rests on (:mod:`k3tail.tools.demo_report`): bits equal on every rank, the error
+against the contract-faithful fp64 reference, the signed bias, the distance to SEPARATE_REDUCE
+(the portable reference path), the path each tier ran and which tier the selector takes.
+
+While the ranks work, a progress line at least every few seconds (``HEARTBEAT_S``) says what
+runs: rank 0 writes its current step to a file that the parent polls.
 
 CPU: ``--world-size`` processes (gloo + Triton interpreter over shared memory) run the real
 multi-rank Lamport protocols; the interpreter is slow, so the non-TAIL tiers use the
@@ -20,22 +23,34 @@ of that mode say nothing about NVLink latency.
 
 from __future__ import annotations
 
-import sys
+import functools
+import os
+import tempfile
+import textwrap
+import threading
 import time
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 from k3tail import reference as ref
 from k3tail.testing import tail_inputs
+from k3tail.tools import demo_report
+from k3tail.tools.options import UsageError, positive_int
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 SMALL = dict(hidden=512, latent=256, top_k=4)
+QUICK = dict(world_size=2, tokens=[1, 16, 80])  # TAIL_FUSION and the lane at 1 and 16, the sharded path at 80
 CPU_TACTICS = {}  # (the interpreter runs the projection GEMM with large tiles)
+EPS = 1e-5
+HEARTBEAT_S = 3.0  # a progress line at least this often (plus the poll interval) while the ranks work
+say = functools.partial(print, flush=True)
 
 
 def add_arguments(parser):
-    parser.add_argument("--world-size", "-W", type=int, default=4, help="ranks (default 4)")
-    parser.add_argument("--tokens", "-M", type=int, nargs="+", default=[1, 4, 16, 64],
+    parser.add_argument("--world-size", "-W", type=positive_int, default=4, help="ranks (default 4)")
+    parser.add_argument("--tokens", "-M", type=positive_int, nargs="+", default=[1, 4, 16, 64],
                         help="token counts to run (default 1 4 16 64)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: one process per rank (interpreter); cuda: loopback on one GPU")
@@ -50,60 +65,74 @@ def add_arguments(parser):
                              "(overrides --small, --world-size and --tokens; the full run is the default)")
 
 
-def _inputs(shape, M, W, rank, seed, device):
+# ------------------------------------------------------------------------------ progress
+def note_step(path: Optional[str], text: str) -> None:
+    """Rank side: record what runs now (rank 0 writes; the parent's :class:`Progress` prints it)."""
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class Progress:
+    """Parent side: print ``[elapsed] step`` when rank 0's step changes, and at least every
+    ``every`` seconds while it does not (``... still running``)."""
+
+    def __init__(self, t0: float, every: float = HEARTBEAT_S, poll: float = 0.25):
+        fd, self.path = tempfile.mkstemp(prefix="k3tail-demo-", suffix=".step")
+        os.close(fd)
+        self.t0, self.every, self.poll = t0, every, poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="k3tail-demo-progress", daemon=True)
+
+    def step(self, text: str) -> None:
+        note_step(self.path, text)
+
+    def _run(self) -> None:
+        shown, last = None, time.perf_counter()
+        while not self._stop.wait(self.poll):
+            try:
+                text = Path(self.path).read_text().strip()
+            except OSError:
+                text = ""
+            now = time.perf_counter()
+            if text and text != shown:
+                say(f"[{now - self.t0:6.1f} s] {text}")
+                shown, last = text, now
+            elif now - last >= self.every:
+                say(f"[{now - self.t0:6.1f} s] ... {shown or 'starting'} (still running)")
+                last = now
+
+    def __enter__(self) -> "Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        for p in (self.path,):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------------------ the ranks
+def _config(shape, tokens, W):
+    from k3tail.config import TailConfig
+
+    # every rank holds its rows of W_up where hidden splits into W shards of multiples of 8, else all of it
+    return TailConfig(max_tokens=max(tokens), shard_up_proj=shape["hidden"] % (8 * W) == 0, **shape)
+
+
+def _inputs(shape, M, W, rank, seed, device, shard):
     prefix, gamma, up, shared, rt = tail_inputs(M=M, W=W, rank=rank, form="triple", seed=seed,
                                                 device=device, **shape)
     rows = shape["hidden"] // W
-    return dict(prefix_hidden=prefix, shared=shared, norm_weight=gamma,
-                up_weight=up[rank * rows:(rank + 1) * rows].contiguous(), **rt)
-
-
-def _run_tiers(mod, call):
-    """``call(tier) -> out`` for every tier possible at each M; returns {tier name: (out, seconds)}."""
-    from k3tail.tiers import Tier
-
-    res = {}
-    for tier in Tier:
-        if mod.why_not(tier, call.M) is None:
-            t0 = time.perf_counter()
-            out = call(tier)
-            res[tier.name] = (out, time.perf_counter() - t0)
-    return res
-
-
-def _rank_main(rank, W, shape, tokens, seed, device="cpu"):
-    """Body of one rank process (CPU: interpreter; cuda: this process's GPU): every possible
-    tier at every M, plus the selector's choices."""
-    from k3tail.config import TailConfig
-    from k3tail.module import K3MoETail
-
-    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
-
-    cfg = TailConfig(max_tokens=max(tokens), **shape)
-    if device == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-        mod = K3MoETail(cfg, prefix="demo.layers.0", device=dev, timeout_s=60.0)
-    else:
-        dev = torch.device("cpu")
-        mod = K3MoETail(cfg, prefix="demo.layers.0", tactics=CPU_TACTICS)
-    fused = FinalizeAllReduceRMSNorm(width=shape["latent"], max_tokens=max(tokens), top_k=shape["top_k"], eps=1e-5,
-                                     **(dict(device=dev) if device == "cuda" else {}))
-    out = {}
-    for M in tokens:
-        ins = _inputs(shape, M, W, rank, seed, dev)
-
-        def call(tier, ins=ins):
-            return mod(**ins, tier=tier).cpu()  # .cpu(): the wall time includes the device work
-
-        call.M = M
-        results = {k: (v[0], v[1]) for k, v in _run_tiers(mod, call).items()}
-        t0 = time.perf_counter()
-        results[FUSED_OP] = (_fused_op(fused, ins).cpu(), time.perf_counter() - t0)
-        out[M] = (results, mod.tier_for(M, False).name, mod.tier_for(M, True).name)
-    return out
-
-
-FUSED_OP = "fused op*"  # the standalone FinalizeAllReduceRMSNorm (DESIGN §3.3): normed latent only
+    up = up[rank * rows:(rank + 1) * rows].contiguous() if shard else up
+    return dict(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
 
 
 def _fused_op(op, ins):
@@ -111,47 +140,136 @@ def _fused_op(op, ins):
               expanded_idx=ins["expanded_idx"])
 
 
-def _cuda_main(W, shape, tokens, seed):
-    from k3tail.config import TailConfig
-    from k3tail.module import K3MoETail
-    from k3tail.runtime.loopback import LoopbackWorld
+def _run_all(mod, fused, tokens, make_inputs, call, sync, step: Callable[[str], None]):
+    """Every tier possible at each M, then the standalone op: ``{M: {"results": {name: (out, s)},
+    "paths": {name: path}, "eager": tier name, "graph": tier name}}`` (``call(tier, ins)``)."""
+    from k3tail.tiers import Tier
 
+    out = {}
+    for M in tokens:
+        ins = make_inputs(M)
+        results, paths, skipped = {}, {}, {}
+        for tier in Tier:
+            why = mod.why_not(tier, M)
+            if why is not None:
+                skipped[tier.name] = why
+                continue
+            path = mod.plan_for(M, False, tier).path
+            step(f"M={M}: {tier.name} (path {path})")
+            t0 = time.perf_counter()
+            o = sync(call(tier, ins))
+            results[tier.name], paths[tier.name] = (o, time.perf_counter() - t0), path
+        step(f"M={M}: {demo_report.STANDALONE} (FinalizeAllReduceRMSNorm)")
+        t0 = time.perf_counter()
+        o = sync(fused(ins))
+        results[demo_report.STANDALONE], paths[demo_report.STANDALONE] = (o, time.perf_counter() - t0), "latent"
+        out[M] = {"results": results, "paths": paths, "skipped": skipped, "eager": mod.tier_for(M, False).name,
+                  "graph": mod.tier_for(M, True).name}
+    return out
+
+
+def _rank_main(rank, W, shape, tokens, seed, device="cpu", step_path=None):
+    """Body of one rank process (CPU: interpreter; cuda: this process's GPU)."""
+    from k3tail.module import K3MoETail
     from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
 
+    step = functools.partial(note_step, step_path if rank == 0 else None)
+    cfg = _config(shape, tokens, W)
+    step(f"building K3MoETail on {W} ranks (capability vote, workspaces)")
+    if device == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        mod = K3MoETail(cfg, prefix="demo.layers.0", device=dev, timeout_s=60.0)
+        extra = dict(device=dev)
+    else:
+        dev = torch.device("cpu")
+        mod = K3MoETail(cfg, prefix="demo.layers.0", tactics=CPU_TACTICS)
+        extra = {}
+    fused = FinalizeAllReduceRMSNorm(width=shape["latent"], max_tokens=max(tokens), top_k=shape["top_k"], eps=EPS,
+                                     **extra)
+    return _run_all(mod, functools.partial(_fused_op, fused), tokens,
+                    lambda M: _inputs(shape, M, W, rank, seed, dev, cfg.shard_up_proj),
+                    lambda tier, ins: mod(**ins, tier=tier), lambda o: o.cpu(), step)  # .cpu(): device work timed
+
+
+def _loopback_main(W, shape, tokens, seed, step):
+    """All W ranks as virtual ranks on one GPU: per rank, what :func:`_rank_main` returns."""
+    from k3tail.module import K3MoETail
+    from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm
+    from k3tail.runtime.loopback import LoopbackWorld
+
     world = LoopbackWorld(W)
-    mods = world.build(lambda r: K3MoETail(TailConfig(max_tokens=max(tokens), **shape), world.group(r),
-                                           prefix="demo.layers.0"))
+    cfg = _config(shape, tokens, W)
+    step(f"building K3MoETail on {W} loopback ranks")
+    mods = world.build(lambda r: K3MoETail(cfg, world.group(r), prefix="demo.layers.0"))
     fused = world.build(lambda r: FinalizeAllReduceRMSNorm(world.group(r), width=shape["latent"],
-                                                           max_tokens=max(tokens), top_k=shape["top_k"], eps=1e-5))
-    per_rank = [dict() for _ in range(W)]
-    for M in tokens:
-        ins = [_inputs(shape, M, W, r, seed, world.device) for r in range(W)]
+                                                           max_tokens=max(tokens), top_k=shape["top_k"], eps=EPS))
 
-        def call(tier, ins=ins):
-            outs = world.run(lambda r: mods[r](**ins[r], tier=tier))
-            torch.cuda.synchronize()
-            return [o.cpu() for o in outs]
-
-        call.M = M
-        res = _run_tiers(mods[0], call)
-        t0 = time.perf_counter()
-        normed = world.run(lambda r: _fused_op(fused[r], ins[r]))
+    def sync(outs):
         torch.cuda.synchronize()
-        res[FUSED_OP] = ([o.cpu() for o in normed], time.perf_counter() - t0)
+        return [o.cpu() for o in outs]
+
+    res = _run_all(mods[0], lambda ins: world.run(lambda r: _fused_op(fused[r], ins[r])), tokens,
+                   lambda M: [_inputs(shape, M, W, r, seed, world.device, cfg.shard_up_proj) for r in range(W)],
+                   lambda tier, ins: world.run(lambda r: mods[r](**ins[r], tier=tier)), sync, step)
+    return [{M: {**v, "results": {k: (o[r], s) for k, (o, s) in v["results"].items()}} for M, v in res.items()}
+            for r in range(W)]
+
+
+# ------------------------------------------------------------------------------ the verdict
+def _rows(per_rank, shape, tokens, W, seed, step):
+    rows = []
+    shard = _config(shape, tokens, W).shard_up_proj
+    for M in tokens:
+        step(f"M={M}: the fp64 reference and the statistics")
+        got = per_rank[0][M]
+        parts, shared, triples = [], [], []
         for r in range(W):
-            per_rank[r][M] = ({k: (v[0][r], v[1]) for k, v in res.items()},
-                              mods[0].tier_for(M, False).name, mods[0].tier_for(M, True).name)
-    return per_rank
+            ins = _inputs(shape, M, W, r, seed, "cpu", shard)
+            triples.append((ins["expert_out"], ins["expert_weights"], ins["expanded_idx"]))
+            parts.append(ref.rank_partial(expert_out=ins["expert_out"], expert_weights=ins["expert_weights"],
+                                          expanded_idx=ins["expanded_idx"]))
+            shared.append(ins["shared"])
+        prefix, gamma, up, _, _ = tail_inputs(M=M, W=W, rank=0, form="triple", seed=seed, **shape)
+        r64 = ref.tail(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up, eps=EPS)
+        slack, _ = ref.tail_tie_slack(partials=parts, norm_weight=gamma, up_weight=up, eps=EPS)
+        floor = ref.tail_noise_floor(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma,
+                                     up_weight=up, eps=EPS)
+        n64 = ref.finalize_allreduce_rmsnorm(parts, gamma, EPS)[0]
+        latent_floor = demo_report.latent_noise_floor(triples, gamma, EPS)
+        sep = got["results"].get("SEPARATE_REDUCE", (None,))[0]
+        for name, (out, seconds) in got["results"].items():
+            same = all(torch.equal(per_rank[r][M]["results"][name][0].view(torch.int16), out.view(torch.int16))
+                       for r in range(W))
+            selected = [ph for ph, key in (("decode", "graph"), ("prefill", "eager")) if got[key] == name]
+            row = dict(M=M, name=name, path=got["paths"][name], same_bits=same,
+                       selected="both" if len(selected) == 2 else selected[0] if selected else "-",
+                       seconds=seconds)
+            if name == demo_report.STANDALONE:
+                rows.append(demo_report.check_latent(out, n64, floor=latent_floor, **row))
+            else:
+                rows.append(demo_report.check_tail(out, r64, slack=slack, floor=floor,
+                                                   sep=None if name == "SEPARATE_REDUCE" else sep, **row))
+    return rows
 
 
-NO_CUDA_MSG = ("k3tail demo --device cuda: needs a CUDA GPU; no CUDA device is visible here. "
-               "Run `k3tail demo` (CPU rank processes, kernels in Triton's interpreter) instead.")
+def _not_run(res, tokens) -> list:
+    """The tiers not run, with the module's reason (``why_not``; its first clause), by M where it differs."""
+    reasons = {}
+    for M in tokens:
+        for name, why in res[M]["skipped"].items():
+            reasons.setdefault((name, why.split(";")[0]), []).append(M)
+    if not reasons:
+        return []
+    parts = [f"{name}{'' if len(ms) == len(tokens) else ' at M=' + ','.join(map(str, ms))} ({why})"
+             for (name, why), ms in reasons.items()]
+    return textwrap.wrap("not run here (`k3tail doctor` explains each tier): " + "; ".join(parts), width=118,
+                         subsequent_indent="  ")
 
 
 def _mode(args) -> str:
     """How the ranks run, for the header line."""
     if args.device == "cpu":
-        return "CPU rank processes"
+        return "CPU rank processes, kernels in Triton's interpreter"
     if not args.processes:
         return "loopback on one GPU"
     from k3tail.runtime.spawn import spawn_plan
@@ -162,73 +280,53 @@ def _mode(args) -> str:
     return "rank processes sharing cuda:0, gloo + overlapping symmetric memory (time-shared: wall times mean nothing)"
 
 
+def _time_label(args):
+    if args.device == "cpu":
+        return "s", ("wall seconds of one call in Triton's interpreter on the CPU (an emulator, thousands of times "
+                     "slower than a GPU: says nothing about GPU speed)")
+    if args.processes:
+        return "ms", "wall milliseconds of one eager call, processes time-sharing the GPU(s): not a latency"
+    return "ms", "wall milliseconds of one eager call (all virtual ranks on one GPU, host launch time included)"
+
+
+NO_CUDA_MSG = ("k3tail demo --device cuda: needs a CUDA GPU; no CUDA device is visible here. "
+               "Run `k3tail demo` (CPU rank processes, kernels in Triton's interpreter) instead.")
+
+
 def main(args) -> int:
     if args.quick:
-        args.small, args.world_size, args.tokens = True, 2, [1, 16, 80]
+        args.small, args.world_size, args.tokens = True, QUICK["world_size"], list(QUICK["tokens"])
     shape = SMALL if args.small else K3
-    W, tokens = args.world_size, args.tokens
-    processes = getattr(args, "processes", False)
-    if processes and args.device != "cuda":
-        print("k3tail demo: --processes runs the ranks as processes on the GPU(s); add --device cuda "
-              "(CPU ranks always run as processes)", file=sys.stderr)
-        return 2
+    W, tokens = args.world_size, list(dict.fromkeys(args.tokens))
+    if args.processes and args.device != "cuda":
+        raise UsageError("--processes runs the ranks as processes on the GPU(s); add --device cuda "
+                         "(CPU ranks always run as processes)")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(NO_CUDA_MSG, file=sys.stderr)
+        say(NO_CUDA_MSG)
         return 2
-    args.processes = processes
-    print(f"k3tail demo: the MoE tail, W={W} on {args.device} ({_mode(args)}), shape {shape}, M={tokens}")
     t_start = time.perf_counter()
-    if args.device == "cpu" or processes:
-        from k3tail.runtime.spawn import spawn
-        from k3tail.testing import no_multicast
+    say(f"k3tail demo: the MoE tail on W={W} ranks ({_mode(args)}), H={shape['hidden']} L={shape['latent']} "
+        f"top-k={shape['top_k']} bf16, M={tokens}, seed {args.seed}")
+    with Progress(t_start) as progress:
+        if args.device == "cpu" or args.processes:
+            from k3tail.runtime.spawn import SpawnError, spawn
+            from k3tail.testing import no_multicast
 
-        no_multicast()
-        per_rank = spawn(W, _rank_main, shape, tokens, args.seed, args.device, device=args.device, timeout=3600)
-    else:
-        per_rank = _cuda_main(W, shape, tokens, args.seed)
-    print(f"{'M':>4} {'tier':<16}{'taken':<14}{'ranks agree':<12}{'max ulp':>8}{'<=1ulp*':>9}{'bias':>11}"
-          f"{'vs SEPARATE':>12}{'wall s':>8}")
-    ok = True
-    for M in tokens:
-        results, eager_tier, graph_tier = per_rank[0][M]
-        parts, shared = [], []
-        for r in range(W):
-            ins = _inputs(shape, M, W, r, args.seed, "cpu")
-            parts.append(ref.rank_partial(expert_out=ins["expert_out"], expert_weights=ins["expert_weights"],
-                                          expanded_idx=ins["expanded_idx"]))
-            shared.append(ins["shared"])
-        prefix, gamma, up, _, _ = tail_inputs(M=M, W=W, rank=0, form="triple", seed=args.seed, **shape)
-        r64 = ref.tail(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up, eps=1e-5)
-        slack, _ = ref.tail_tie_slack(partials=parts, norm_weight=gamma, up_weight=up, eps=1e-5)
-        floor = ref.tail_noise_floor(prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up,
-                                     eps=1e-5)
-        n64 = ref.finalize_allreduce_rmsnorm(parts, gamma, 1e-5)[0]
-        sep = results.get("SEPARATE_REDUCE", (None,))[0]
-        for name, (out, wall) in results.items():
-            same = all(torch.equal(per_rank[r][M][0][name][0].view(torch.int16), out.view(torch.int16))
-                       for r in range(W))
-            if name == FUSED_OP:  # the normed latent against its fp64 reference
-                st = ref.error_stats(out, n64)
-                within = float((ref.ulp_error(out, n64) <= 1.0).double().mean())
-                print(f"{M:>4} {name:<16}{'-':<14}{str(same):<12}{st['max_ulp']:>8.2f}{within:>9.5f}"
-                      f"{st['bias']:>+11.2e}{'':>12}{wall:>8.2f}")
-                ok &= same and within >= 0.999
-                continue
-            st = ref.error_stats(out, r64)
-            within = float(((ref.f64(out) - r64).abs() <= ref.ulp(r64, out.dtype) + slack).double().mean())
-            vs_sep = float("nan")
-            if sep is not None:  # tiers agree within 2 ulp or the fp32 GEMM floor
-                agree = ref.tier_agreement(out, sep, floor)
-                vs_sep = agree["max_ulp"]
-                ok &= agree["beyond"] == 0
-            taken = "+".join(x for x, t in (("eager", eager_tier), ("graph", graph_tier)) if t == name) or "-"
-            print(f"{M:>4} {name:<16}{taken:<14}{str(same):<12}{st['max_ulp']:>8.2f}{within:>9.5f}"
-                  f"{st['bias']:>+11.2e}{vs_sep:>12.2f}{wall:>8.2f}")
-            ok &= same and within >= 0.999
-    print("* fraction within 1 ulp of the fp64 reference, allowing latent elements on a rounding tie "
-          "(k3tail.reference.tail_tie_slack); 'fused op*' is FinalizeAllReduceRMSNorm on the same routed "
-          "partials (its normed latent vs fp64, plain 1 ulp).  'vs SEPARATE' is the largest elementwise "
-          "distance in ulp; every element must be within 2 ulp or the projection's fp32 noise floor "
-          "(k3tail.reference.tail_noise_floor)")
-    print(f"total wall time {time.perf_counter() - t_start:.1f} s; {'OK' if ok else 'MISMATCH'}")
-    return 0 if ok else 1
+            no_multicast()
+            progress.step(f"starting {W} rank processes (each imports torch and k3tail)")
+            try:
+                per_rank = spawn(W, _rank_main, shape, tokens, args.seed, args.device, progress.path,
+                                 device=args.device, timeout=3600)
+            except SpawnError as e:
+                say(f"k3tail demo: NOT OK: a rank failed: {e}")
+                return 1
+        else:
+            per_rank = _loopback_main(W, shape, tokens, args.seed, progress.step)
+        rows = _rows(per_rank, shape, tokens, W, args.seed, progress.step)
+    unit, label = _time_label(args)
+    say("")
+    for line in demo_report.render(rows, world_size=W, time_unit=unit, time_label=label,
+                                   not_run=_not_run(per_rank[0], tokens)):
+        say(line)
+    say(f"total {time.perf_counter() - t_start:.1f} s")
+    return 0 if demo_report.all_ok(rows) else 1

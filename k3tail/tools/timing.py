@@ -1,8 +1,13 @@
-"""Timing of the bench commands: CUDA-graph replay and eager CUDA-event timing, summaries.
+"""The one timer of the package's tools and bench scripts: CUDA-graph replay (:func:`time_graph`)
+and eager CUDA-event timing (:func:`time_eager`), summarized by :func:`summarize` (median, and p99
+by the nearest-rank rule: the ceil(0.99 n)-th smallest sample).
 
-Split out of :mod:`k3tail.tools.bench` (which re-exports every name here).  Several processes
-(torchrun): every host-side count (replays, calls) is rank 0's and every sample is the MAX
-over the ranks, so the collectives inside a replay never see ranks replaying different counts.
+``k3tail bench`` and ``k3tail tune`` size the counts adaptively (a time budget per point); the
+scripts in ``bench/`` pass fixed ``calls`` and ``replays``.  Several processes (torchrun): every
+host-side count (replays, calls) is rank 0's (:func:`rank_uniform_int`) and every sample is the
+MAX over the ranks, so the collectives inside a replay never see ranks replaying different counts.
+Callers that must reach fakes (the CPU tests replace ``time_graph`` / ``time_eager`` here) look
+the timers up on this module at call time.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def _max_over_ranks(samples: List[float]) -> List[float]:
     return [float(x) for x in t.cpu()]
 
 
-def _rank_uniform_int(x: int) -> int:
+def rank_uniform_int(x: int) -> int:
     """Several processes: rank 0's value of a host-side count (replays, calls): every rank must
     replay the same number of times or the collectives inside the graph deadlock."""
     import torch.distributed as dist
@@ -55,13 +60,14 @@ def _rank_uniform_int(x: int) -> int:
 
 def time_graph(step: Callable[[int], Any], *, max_calls: int = 8, target_replay_us: float = 400.0,
                budget_s: float = 0.3, min_replays: int = 30, max_replays: int = 500,
-               warmup: int = 2) -> Dict[str, Any]:
+               warmup: int = 2, calls: Optional[int] = None, replays: Optional[int] = None) -> Dict[str, Any]:
     """CUDA-graph replay timing of ``step(i)`` (one call; ``i`` picks the weight copy).
 
     Eager warm-up (compiles every kernel variant before capture), then a graph of ``calls``
-    consecutive steps (about ``target_replay_us`` of work, at most ``max_calls``), replayed
-    until about ``budget_s`` has passed (``min_replays``..``max_replays``).  Returns the
-    summary of per-call times (replay time / calls) plus ``calls`` and ``replays``.
+    consecutive steps (default: about ``target_replay_us`` of work, at most ``max_calls``),
+    replayed ``replays`` times (default: until about ``budget_s`` has passed,
+    ``min_replays``..``max_replays``).  Returns the :func:`summarize` of per-call times
+    (replay time / calls) plus ``calls`` and ``replays``.
     """
     cur = torch.cuda.current_stream()
     for i in range(warmup):
@@ -73,7 +79,9 @@ def time_graph(step: Callable[[int], Any], *, max_calls: int = 8, target_replay_
     b.record(cur)
     torch.cuda.synchronize()
     est_call_us = max(a.elapsed_time(b) * 1000.0, 1.0)
-    calls = _rank_uniform_int(max(1, min(max_calls, round(target_replay_us / est_call_us))))
+    if calls is None:
+        calls = max(1, min(max_calls, round(target_replay_us / est_call_us)))
+    calls = rank_uniform_int(calls)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(calls):
@@ -86,7 +94,9 @@ def time_graph(step: Callable[[int], Any], *, max_calls: int = 8, target_replay_
     b.record(cur)
     torch.cuda.synchronize()
     est_replay_s = max(a.elapsed_time(b) / 1000.0, 1e-6)
-    replays = _rank_uniform_int(max(min_replays, min(max_replays, int(budget_s / est_replay_s))))
+    if replays is None:
+        replays = max(min_replays, min(max_replays, int(budget_s / est_replay_s)))
+    replays = rank_uniform_int(replays)
     ev = _events(replays)
     for s, e in ev:
         s.record(cur)
@@ -112,7 +122,7 @@ def time_eager(step: Callable[[int], Any], *, budget_s: float = 0.3, min_iters: 
     step(0)
     torch.cuda.synchronize()
     est = max(time.perf_counter() - t0, 1e-6)
-    iters = _rank_uniform_int(max(min_iters, min(max_iters, int(budget_s / est))))
+    iters = rank_uniform_int(max(min_iters, min(max_iters, int(budget_s / est))))
     ev = _events(iters)
     for i, (s, e) in enumerate(ev):
         s.record(cur)

@@ -9,15 +9,16 @@ shape given (default K3: H 7168, L 3584, top-k 16, bf16):
    (score = sum of the median per-call times), the best kept before the next key.  A
    candidate the op rejects (ValueError) or that fails/times out is skipped and reported.
    ``--full`` widens the value lists and the M sets.
+1. **Tactics** are swept by :mod:`k3tail.tools.tune_tactics`.
 2. **Crossovers** (:mod:`k3tail.tools.tune_crossovers`).  A ``K3MoETail`` is built with generous
    capacities and the tactics of step 1 (earlier thresholds ignored), and every possible tier
-   is timed (graph replay, forced ``tier=``) on a grid of M; where ``K3MoETail`` takes
-   ``large_m``, a second one built with ``lane_max_tokens=0, large_m="sharded"`` times the
+   is timed (graph replay, forced ``tier=``) on a grid of M; a second one built with
+   ``lane_max_tokens=0, large_m="sharded"`` times the
    sharded large-M path at every M (its FUSED_LANE_AR, labelled ``LARGE_M_SHARDED``).  The
    table records where the selector's thresholds should sit: ``tail_fusion_max_tokens``
    (largest M up to which TAIL_FUSION beats the tier the selector would otherwise take, at
    every measured M), ``lane_max_tokens`` (largest M up to which the Lamport lane beats what
-   FUSED_LANE_AR runs above it: the sharded path, or without the sharded rig SEPARATE_REDUCE,
+   FUSED_LANE_AR runs above it: the sharded path, or where the sharded rig failed SEPARATE_REDUCE,
    the proxy of the grouped fp32 all-reduce) and, with the sharded rig, ``large_m_min_tokens``
    (smallest M from which on the sharded path beats SEPARATE_REDUCE at every measured M;
    twice the largest grid M if it never does).  The selector applies the ``max_tokens`` ones
@@ -26,8 +27,10 @@ shape given (default K3: H 7168, L 3584, top-k 16, bf16):
 Keys: ``(kernel, device, SM, Triton, W, shape)`` with ``shape =
 k3tail.tuning.shape_string(H=, L=, K=, dtype=)``, exactly what ``K3MoETail`` looks up; the
 crossovers under ``k3tail.tuning.CROSSOVER_KERNEL``.  Results merge into ``--out`` (default:
-the table shipped in the package, ``k3tail/tables/tactics.json``): entries for other keys
-are kept.  A loopback measurement shares one GPU among W ranks; entries say so
+the user table, ``$XDG_CONFIG_HOME/k3tail/tactics.json`` or ``~/.config/k3tail/tactics.json``,
+which the package loads ahead of the table it ships: ``k3tail.tuning.user_table_path``; to
+update the shipped table, ``--out k3tail/tables/tactics.json`` in a checkout): entries for other
+keys are kept.  A loopback measurement shares one GPU among W ranks; entries say so
 (``info.loopback``).
 
 The default run is sized to finish in about 4 minutes on an H200 (``--max-seconds``,
@@ -49,38 +52,38 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from k3tail.tools import bench as B
 from k3tail import tuning as T
-# The implementation lives in three modules; every name importable from here before the split
-# still is (tests patch ``SPECS`` and ``tune_crossovers`` here: ``main`` looks them up here).
-from k3tail.tools.tune_crossovers import (LANE_ALTERNATIVE, LARGE_M_TIER, SLOW_REPLAY_US,  # noqa: F401
-                              _timings, _wins, crossover_thresholds, prefix_threshold, suffix_threshold,
-                              tune_crossovers)
-from k3tail.tools.tune_specs import (SPECS, FinalizeSpec, LaneSpec, LatentTailSpec, ProjectSpec, Spec,  # noqa: F401
-                         _FusedSpec, _inputs, _Project, _weights, spec_shape)
-from k3tail.tools.tune_sweep import Budget, _fmt_us, evaluate, sweep_kernel  # noqa: F401
+from k3tail.tools import bench_results
+from k3tail.tools import tune_crossovers as crossovers
+from k3tail.tools import tune_tactics as tactics
+from k3tail.tools.bench_results import TIER_COLORS, pyplot, save_figure, slug, write_results
+from k3tail.tools.options import (DTYPES, GPU_ONLY_MSG, UsageError, add_loopback_arguments, int_list,
+                                  non_negative_float, positive_float)
 
 DEFAULT_KERNELS = ("LatentTail", "LaneAllReduce", "project")
 
 
 def add_arguments(parser):
     parser.description = (parser.description or "") + ". GPU only (loopback on one GPU)."
-    B.add_common_arguments(parser)
+    add_loopback_arguments(parser)
     parser.add_argument("--kernels", type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
                         default=list(DEFAULT_KERNELS),
                         help=f"kernels to sweep, comma-separated (default {','.join(DEFAULT_KERNELS)}; "
-                             f"known: {','.join(SPECS)}); 'none' for crossovers only")
+                             f"known: {','.join(tactics.SPECS)}); 'none' for crossovers only")
     parser.add_argument("--full", action="store_true", help="wider sweeps and M sets (much longer)")
     parser.add_argument("--no-crossovers", action="store_true", help="tactics only")
-    parser.add_argument("--crossover-m", type=B.parse_ints, default=None,
+    parser.add_argument("--crossover-m", type=int_list, default=None,
                         help="M grid for the tier crossovers (default 1,2,4,8,16,32,64,128,256; --full adds 512,1024)")
     parser.add_argument("--out", default=None,
-                        help=f"table to write/merge into (default: the shipped {T.SHIPPED_TABLE})")
+                        help=f"table to write/merge into (default: the user table {T.user_table_path()}, "
+                             f"which k3tail loads ahead of the shipped {T.SHIPPED_TABLE}; $K3TAIL_TUNING_TABLE "
+                             f"overrides both)")
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing --out table")
-    parser.add_argument("--budget-s", type=float, default=0.05, help="seconds of replays per timing (default %(default)s)")
-    parser.add_argument("--timeout-s", type=float, default=5.0,
+    parser.add_argument("--budget-s", type=positive_float, default=0.05,
+                        help="seconds of replays per timing (default %(default)s)")
+    parser.add_argument("--timeout-s", type=positive_float, default=5.0,
                         help="peer wait timeout of the ops built for tuning (default %(default)s)")
-    parser.add_argument("--max-seconds", type=float, default=None,
+    parser.add_argument("--max-seconds", type=non_negative_float, default=None,
                         help="overall time budget (default 200, or none with --full; 0 = none)")
     parser.add_argument("--out-dir", default="bench/results",
                         help="where the sweep report (every candidate's timings, the crossover points) goes "
@@ -89,29 +92,29 @@ def add_arguments(parser):
 
 
 def main(args) -> int:
+    specs = tactics.SPECS  # looked up now: the CPU tests replace it there
+    kernels = [] if args.kernels in (["none"], []) else list(args.kernels)
+    bad = [k for k in kernels if k not in specs]
+    if bad:
+        raise UsageError(f"unknown kernel(s) {bad}; known: {list(specs)}")
     if not torch.cuda.is_available():
-        print(B.GPU_ONLY_MSG.format(cmd="tune"), file=sys.stderr)
+        print(GPU_ONLY_MSG.format(cmd="tune"), file=sys.stderr)
         return 2
-    from k3tail.testing import no_multicast
     from k3tail.runtime.loopback import LoopbackWorld
+    from k3tail.testing import no_multicast
 
     no_multicast()
-    kernels = [] if args.kernels in (["none"], []) else list(args.kernels)
-    bad = [k for k in kernels if k not in SPECS]
-    if bad:
-        print(f"k3tail tune: unknown kernel(s) {bad}; known: {list(SPECS)}", file=sys.stderr)
-        return 2
     max_s = args.max_seconds if args.max_seconds is not None else (None if args.full else 200.0)
-    budget = Budget(max_s or None)
+    budget = tactics.Budget(max_s or None)
     say = lambda s: print(s, flush=True)  # noqa: E731
-    out = T.SHIPPED_TABLE if args.out is None else args.out
+    out = T.user_table_path() if args.out is None else Path(args.out)
     try:
         table = T.TacticTable() if args.fresh else T.load_table(out)
     except FileNotFoundError:
         table = T.TacticTable()
     fields = T.device_fields()
-    meta = B.results_meta(loopback=True)
-    cfg_kwargs = dict(hidden=args.hidden, latent=args.latent, top_k=args.top_k, dtype=B.DTYPES[args.dtype])
+    meta = bench_results.results_meta(loopback=True)
+    cfg_kwargs = dict(hidden=args.hidden, latent=args.latent, top_k=args.top_k, dtype=DTYPES[args.dtype])
     from k3tail.config import TailConfig
 
     cfg = TailConfig(**cfg_kwargs)
@@ -125,9 +128,9 @@ def main(args) -> int:
     report = {**meta, "what": "k3tail tune sweep: every candidate tactic's graph-replay median per M (summed "
                               "into its score; the lowest score wins with 1% hysteresis) and the crossover "
                               "points, per loopback W", "table": str(out), "kernels": kernels,
-              "shape": spec_shape(cfg), "crossover_m": None if args.no_crossovers else xms, "worlds": [],
+              "shape": tactics.spec_shape(cfg), "crossover_m": None if args.no_crossovers else xms, "worlds": [],
               "figures": []}
-    name = f"tune_{B._slug(meta['device'])}"
+    name = f"tune_{slug(meta['device'])}"
     for wi, W in enumerate(args.world_sizes):
         if W < 2 or cfg.hidden % (8 * W):
             say(f"[tune W={W}] skipped: W must be >= 2 and hidden a multiple of 8*W")
@@ -137,12 +140,13 @@ def main(args) -> int:
         report["worlds"].append(wrep)
         # share the time left evenly among the remaining W; 60% of a W's share for the sweeps
         share = budget.left() / (len(args.world_sizes) - wi)
-        sweep_deadline = Budget(None if math.isinf(share) else max(1.0, 0.6 * share))
+        sweep_deadline = tactics.Budget(None if math.isinf(share) else max(1.0, 0.6 * share))
         for ki, kname in enumerate(kernels):
-            spec = SPECS[kname]
+            spec = specs[kname]
             # each remaining kernel gets an equal share of what is left of this W's sweep time
-            kdl = Budget(None if sweep_deadline.end is None else max(0.5, sweep_deadline.left() / (len(kernels) - ki)))
-            r = sweep_kernel(spec, world, cfg, full=args.full, timeout_s=args.timeout_s, budget_s=args.budget_s,
+            kdl = tactics.Budget(None if sweep_deadline.end is None
+                                 else max(0.5, sweep_deadline.left() / (len(kernels) - ki)))
+            r = tactics.sweep_kernel(spec, world, cfg, full=args.full, timeout_s=args.timeout_s, budget_s=args.budget_s,
                              seed=args.seed, deadline=kdl, say=say)
             if r is not None:
                 wrep["kernels"][spec.name] = {k: r[k] for k in ("tactic", "us", "default", "default_us", "skipped")}
@@ -152,14 +156,14 @@ def main(args) -> int:
                 n_written += 1
         if not args.no_crossovers:
             try:
-                x = tune_crossovers(world, cfg_kwargs, xms, timeout_s=args.timeout_s, budget_s=args.budget_s,
+                x = crossovers.tune_crossovers(world, cfg_kwargs, xms, timeout_s=args.timeout_s, budget_s=args.budget_s,
                                     seed=args.seed, say=say, tactics_table=table)
             except Exception as e:  # noqa: BLE001
                 say(f"[tune W={W} crossovers] FAILED: {type(e).__name__}: {e}")
                 x = None
             wrep["crossovers"] = x
             if x is not None and x["thresholds"]:
-                key = T.make_key(T.CROSSOVER_KERNEL, world_size=W, shape=spec_shape(cfg), **fields)
+                key = T.make_key(T.CROSSOVER_KERNEL, world_size=W, shape=tactics.spec_shape(cfg), **fields)
                 table.put(key, x["thresholds"], info={**info_common, "points": x["points"], "caps": x["caps"],
                                                       "phase": "graph",  # the sharded rig's caps, why not
                                                       **{k: x[k] for k in ("sharded_caps", "notes") if x.get(k)}})
@@ -168,7 +172,7 @@ def main(args) -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         T.save_table(table, out)  # after every W: an interrupted run keeps what it measured
-        B.write_results(name, {**report, "seconds": budget.elapsed()}, args.out_dir)
+        write_results(name, {**report, "seconds": budget.elapsed()}, args.out_dir)
         say(f"[tune W={W}] done at {budget.elapsed():.0f} s; table saved to {out}")
     table.meta = {**table.meta, "written_by": "k3tail tune", "date": meta["date"], "commit": meta["commit"]}
     T.save_table(table, out)
@@ -178,7 +182,7 @@ def main(args) -> int:
         if png:
             report["figures"].append(png.name)
             say(f"wrote {png}")
-    path = B.write_results(name, {**report, "seconds": budget.elapsed()}, args.out_dir)
+    path = write_results(name, {**report, "seconds": budget.elapsed()}, args.out_dir)
     say(f"wrote {path}")
     say(f"k3tail tune: wrote {n_written} entries ({len(table)} in the table) to {out} in {budget.elapsed():.0f} s")
     return 0
@@ -192,7 +196,7 @@ def tune_plot(report: Dict[str, Any], path, *, title: str = "") -> Optional[Path
     worlds = [w for w in report.get("worlds", []) if w.get("kernels") or w.get("crossovers")]
     if not worlds:
         return None
-    plt = B._pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     kernels = sorted({k for w in worlds for k in w.get("kernels", {})})
@@ -232,7 +236,7 @@ def tune_plot(report: Dict[str, Any], path, *, title: str = "") -> Optional[Path
                 tp = sorted((p["M"], p["median_us"]) for p in pts if p["tier"] == tier and p.get("median_us"))
                 if tp:
                     ax.plot([m for m, _ in tp], [t for _, t in tp], marker="o", ms=3, label=tier,
-                            color=B.TIER_COLORS.get(tier))
+                            color=TIER_COLORS.get(tier))
             top = max((p["M"] for p in pts), default=0)
             for name, m in (x.get("thresholds") or {}).items():
                 if m and m > top:  # above the grid (the sharded path never won): said, not drawn
@@ -249,4 +253,4 @@ def tune_plot(report: Dict[str, Any], path, *, title: str = "") -> Optional[Path
             ax.grid(True, which="both", alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=10)
-    return B._save_figure(plt, fig, path, dpi=110)
+    return save_figure(plt, fig, path, dpi=110)

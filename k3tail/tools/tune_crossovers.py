@@ -1,15 +1,15 @@
 """``k3tail tune``'s tier crossovers: where the selector's token thresholds should sit.
 
-Split out of :mod:`k3tail.tools.tune` (which re-exports every name here).  Two rigs per W, both
-timed by graph replay with every tier forced (``tier=``), on one grid of M:
+Two rigs per W (:class:`k3tail.tools.bench_rig.Rig`, timed by its ``bench_world``, both looked up
+on :mod:`k3tail.tools.bench_rig` at call time), both timed by graph replay with every tier forced
+(``tier=``), on one grid of M:
 
 * the **main rig**: ``K3MoETail(lane_max_tokens=max M)``, every possible tier;
-* the **sharded rig** (only where ``K3MoETail`` takes ``large_m``): ``lane_max_tokens=0,
-  large_m="sharded"``, FUSED_LANE_AR only.  With no lane allocated, a forced FUSED_LANE_AR runs
-  the sharded large-M path at every M; its points are labelled ``LARGE_M_SHARDED``.  A sharded
-  rig that fails to build, comes up with another ``large_m`` or a lane, or measures no point
-  at all is reported in ``notes`` and left out (no ``large_m_min_tokens``; the lane is then
-  held against SEPARATE_REDUCE, as without it).
+* the **sharded rig**: ``lane_max_tokens=0, large_m="sharded"``, FUSED_LANE_AR only.  With no
+  lane allocated, a forced FUSED_LANE_AR runs the sharded large-M path at every M; its points are
+  labelled ``LARGE_M_SHARDED``.  A sharded rig that fails to build, comes up with another
+  ``large_m`` or a lane, or measures no point at all is reported in ``notes`` and left out (no
+  ``large_m_min_tokens``; the lane is then held against SEPARATE_REDUCE).
 
 The thresholds (pure functions of the points, :func:`crossover_thresholds`):
 
@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from k3tail.tools import bench as B
 from k3tail import tuning as T
+from k3tail.tools import bench_rig
 
 SLOW_REPLAY_US = 1e6  # a point whose p99 replay took >= 1 s hid a timed-out wait: a failure
 LARGE_M_TIER = "LARGE_M_SHARDED"  # the sharded rig's FUSED_LANE_AR points
@@ -147,7 +147,7 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
                     seed: int, say: Callable[[str], None],
                     tactics_table: Optional[T.TacticTable] = None) -> Optional[Dict[str, Any]]:
     """Time every possible tier at each M (graph phase) on the main rig, FUSED_LANE_AR on the
-    sharded rig (where ``K3MoETail`` takes ``large_m``), and derive the selector thresholds.
+    sharded rig, and derive the selector thresholds.
     ``tactics_table``: the kernels' tactics to time the tiers with (the ones just tuned); its
     crossover entries are ignored, so that earlier thresholds cannot hide a tier."""
     from k3tail.config import TailConfig
@@ -159,45 +159,41 @@ def tune_crossovers(world, cfg_kwargs: Dict[str, Any], ms: Sequence[int], *, tim
                                             if k.kernel != T.CROSSOVER_KERNEL})
     common = {"tactics_table": kernel_tactics, "timeout_s": timeout_s}
     timing = dict(phases=["graph"], deferred=True, budget_s=budget_s, max_calls=8, seed=seed, baselines=False)
-    rig = B._Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}", world=world,
-                 module_kwargs={"lane_max_tokens": max(ms), **common})
-    caps_alloc = dict(B._caps_dict(rig.mods[0].decision.alloc if hasattr(rig.mods[0], "decision") else rig.caps))
+    rig = bench_rig.Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}", world=world,
+                        module_kwargs={"lane_max_tokens": max(ms), **common})
+    caps_alloc = bench_rig.caps_dict(rig.mods[0].decision.alloc)
     say(f"{head} caps {caps_alloc}; timing tiers at M={list(ms)}")
-    res = B.bench_world(rig, ms, tiers=None, progress=lambda s: say(f"{head}{s[1:]}"), **timing)
+    res = bench_rig.bench_world(rig, ms, tiers=None, progress=lambda s: say(f"{head}{s[1:]}"), **timing)
     _release(rig)
     points = list(res["points"])
     notes: List[str] = []
     sharded, sharded_caps = False, None
-    if not B.module_accepts("large_m"):
-        notes.append("sharded rig skipped: this K3MoETail takes no large_m (no sharded large-M path); "
-                     "large_m_min_tokens not measured, the lane held against SEPARATE_REDUCE")
+    srig = None
+    try:
+        srig = bench_rig.Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}.sharded", world=world,
+                             module_kwargs={"lane_max_tokens": 0, "large_m": "sharded", **common})
+        sharded_caps = bench_rig.caps_dict(srig.mods[0].decision.alloc)
+        kind = srig.mods[0].large_m
+        if kind != "sharded" or int(sharded_caps.get("lane_max_tokens") or 0) != 0:
+            raise ValueError(f"the sharded rig came up with large_m={kind!r}, lane_max_tokens="
+                             f"{sharded_caps.get('lane_max_tokens')} (need 'sharded', 0)")
+        say(f"{head} sharded rig (lane_max_tokens=0, large_m='sharded') caps {sharded_caps}; "
+            f"timing FUSED_LANE_AR as {LARGE_M_TIER}")
+        sres = bench_rig.bench_world(srig, ms, tiers=["FUSED_LANE_AR"],
+                                     progress=lambda s: say(f"{head} sharded{s[1:]}"), **timing)
+        if not sres["points"]:  # every point skipped (why_not said no) or failed: not "never wins"
+            why = (sres.get("skipped") or [{}])[0].get("why", "no point")
+            raise RuntimeError(f"it measured nothing (first skip: {why})")
+    except Exception as e:  # noqa: BLE001 - the main rig's thresholds still stand
+        notes.append(f"sharded rig failed ({type(e).__name__}: {e}); large_m_min_tokens not measured, "
+                     f"the lane held against SEPARATE_REDUCE")
+        say(f"{head} {notes[-1]}")
     else:
-        srig = None
-        try:
-            srig = B._Rig(W, cfg, multiproc=False, prefix=f"k3tail.tune.crossover.{W}.sharded", world=world,
-                          module_kwargs={"lane_max_tokens": 0, "large_m": "sharded", **common})
-            sharded_caps = dict(B._caps_dict(srig.mods[0].decision.alloc if hasattr(srig.mods[0], "decision") else srig.caps))
-            kind = getattr(srig.mods[0], "large_m", None)
-            if kind != "sharded" or int(sharded_caps.get("lane_max_tokens") or 0) != 0:
-                raise ValueError(f"the sharded rig came up with large_m={kind!r}, lane_max_tokens="
-                                 f"{sharded_caps.get('lane_max_tokens')} (need 'sharded', 0)")
-            say(f"{head} sharded rig (lane_max_tokens=0, large_m='sharded') caps {sharded_caps}; "
-                f"timing FUSED_LANE_AR as {LARGE_M_TIER}")
-            sres = B.bench_world(srig, ms, tiers=["FUSED_LANE_AR"], progress=lambda s: say(f"{head} sharded{s[1:]}"),
-                                 **timing)
-            if not sres["points"]:  # every point skipped (possible() said no) or failed: not "never wins"
-                why = (sres.get("skipped") or [{}])[0].get("why", "no point")
-                raise RuntimeError(f"it measured nothing (first skip: {why})")
-        except Exception as e:  # noqa: BLE001 - the main rig's thresholds still stand
-            notes.append(f"sharded rig failed ({type(e).__name__}: {e}); large_m_min_tokens not measured, "
-                         f"the lane held against SEPARATE_REDUCE")
-            say(f"{head} {notes[-1]}")
-        else:
-            sharded = True
-            points += [{**p, "tier": LARGE_M_TIER} for p in sres["points"]]
-        finally:
-            if srig is not None:
-                _release(srig)
+        sharded = True
+        points += [{**p, "tier": LARGE_M_TIER} for p in sres["points"]]
+    finally:
+        if srig is not None:
+            _release(srig)
     th = crossover_thresholds(points, caps_alloc, grid=ms, sharded=sharded, notes=notes)
     say(f"{head} thresholds {th}" + "".join(f"\n{head} note: {n}" for n in notes))
     return {"thresholds": th, "points": [{k: p[k] for k in ("tier", "M", "median_us", "p99_us")} for p in points],

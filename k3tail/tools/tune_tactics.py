@@ -1,21 +1,27 @@
-"""``k3tail tune``'s kernel specs: how to build, feed and time each tuned op with a given tactic.
+"""``k3tail tune``'s tactics: how each tuned kernel is built, fed and timed (a :class:`Spec` per
+kernel of the tactic table, ``SPECS``), and the coordinate descent over a kernel's tactic space
+(:func:`sweep_kernel`, one candidate timed by :func:`evaluate`) within a time :class:`Budget`.
 
-Split out of :mod:`k3tail.tools.tune` (which re-exports every name here).  One :class:`Spec` per
-kernel of the tactic table (``SPECS``: LatentTail, LaneAllReduce, project,
-FinalizeAllReduceRMSNorm), each with its M set, its tactic space (the keys its op accepts, in
-the order the coordinate descent visits them) and the table's shape string.
+The specs: LatentTail (TAIL_FUSION's kernels), LaneAllReduce, project and
+FinalizeAllReduceRMSNorm, each with its M set, its tactic space (the keys its op accepts, in the
+order the descent visits them) and the table's shape string.  Timing goes through
+``k3tail.tools.timing.time_graph``, looked up at call time (the CPU tests replace it there).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from k3tail.tools import bench as B
 from k3tail import tuning as T
+from k3tail.tools import timing
+from k3tail.tools.bench_rig import generator, rank_inputs, rank_weights
 
 
+# ------------------------------------------------------------------------------ the specs
 class Spec:
     """How to build, feed and time one kernel's op with a given tactic (loopback world)."""
 
@@ -46,12 +52,12 @@ class Spec:
 
 def _weights(world, cfg, copies, seed):
     W = world.world_size
-    return [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=cfg.hidden // W, copies=copies,
+    return [rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=cfg.hidden // W, copies=copies,
                            dtype=cfg.dtype, device=world.device, seed=seed + 7919 * r) for r in range(W)]
 
 
 def _inputs(world, cfg, M, seed, deferred=True):
-    return [B.rank_inputs(M=M, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, dtype=cfg.dtype,
+    return [rank_inputs(M=M, hidden=cfg.hidden, latent=cfg.latent, top_k=cfg.top_k, dtype=cfg.dtype,
                           device=world.device, seed=seed + 1000 * M + r, deferred=deferred)
             for r in range(world.world_size)]
 
@@ -114,7 +120,7 @@ class _FusedSpec(Spec):
 
     def step_for(self, world, ops, cfg, M, seed):
         ins = _inputs(world, cfg, M, seed)
-        nw = [B.rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=8, copies=1, dtype=cfg.dtype,
+        nw = [rank_weights(hidden=cfg.hidden, latent=cfg.latent, up_rows=8, copies=1, dtype=cfg.dtype,
                              device=world.device, seed=seed + r)[0] for r in range(world.world_size)]
         keys = ("shared", "expert_out", "expert_weights", "expanded_idx")[0 if self.takes_shared else 1:]
 
@@ -138,7 +144,6 @@ class LaneSpec(_FusedSpec):
                                                    timeout_s=timeout_s, tactics=tactic or None))
 
 
-
 class FinalizeSpec(_FusedSpec):
     name = "FinalizeAllReduceRMSNorm"
 
@@ -155,7 +160,6 @@ class FinalizeSpec(_FusedSpec):
                                                               max_tokens=max_tokens,
                                                               top_k=cfg.top_k, eps=cfg.eps, dtype=cfg.dtype,
                                                               timeout_s=timeout_s, tactics=tactic or None))
-
 
 
 class _Project:
@@ -211,7 +215,7 @@ class ProjectSpec(Spec):
     def step_for(self, world, ops, cfg, M, seed):
         W = world.world_size
         dev = world.device
-        normed = [torch.randn(M, cfg.latent, device=dev, generator=B._gen(dev, seed + r)).to(cfg.dtype)
+        normed = [torch.randn(M, cfg.latent, device=dev, generator=generator(dev, seed + r)).to(cfg.dtype)
                   for r in range(W)]
         ins = _inputs(world, cfg, M, seed, deferred=False)
         ws = _weights(world, cfg, 8, seed)
@@ -231,3 +235,108 @@ SPECS: Dict[str, Spec] = {s.name: s for s in (LatentTailSpec(), LaneSpec(), Proj
 
 def spec_shape(cfg) -> str:
     return T.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
+
+
+# ------------------------------------------------------------------------------ the sweep
+class Budget:
+    """A time budget from now: ``left()`` seconds (inf without one), ``elapsed()`` seconds."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.t0 = time.perf_counter()
+        self.end = None if not seconds else self.t0 + seconds
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def evaluate(spec: Spec, world, cfg, tactic: dict, ms: Sequence[int], *, tag: str, timeout_s: float,
+             budget_s: float, seed: int) -> Dict[str, Any]:
+    """Build the op with ``tactic`` on every rank and time it at each M.  Returns
+    ``{"score": sum of medians (inf on failure), "us": {M: median}, "resolved": tactic, "error": str|None}``."""
+    try:
+        ops = spec.build(world, cfg, tactic, tag, timeout_s, max(ms))
+    except (ValueError, TypeError) as e:
+        return {"score": math.inf, "us": {}, "resolved": dict(tactic), "error": f"rejected: {e}"}
+    except Exception as e:  # noqa: BLE001
+        return {"score": math.inf, "us": {}, "resolved": dict(tactic), "error": f"{type(e).__name__}: {e}"}
+    resolved = spec.resolved(ops)
+    us: Dict[int, float] = {}
+    try:
+        for M in ms:
+            step = spec.step_for(world, ops, cfg, M, seed)
+            res = timing.time_graph(step, budget_s=budget_s, min_replays=20, max_replays=300)
+            us[M] = res["median_us"]
+            del step
+        for op in ops:
+            chk = getattr(op, "check", None)
+            if callable(chk):
+                chk()
+    except Exception as e:  # noqa: BLE001 - a failing candidate is skipped, not fatal
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"score": math.inf, "us": us, "resolved": resolved, "error": f"{type(e).__name__}: {e}"}
+    return {"score": sum(us.values()), "us": us, "resolved": resolved, "error": None}
+
+
+def _fmt_us(us: Dict[int, float]) -> str:
+    return " ".join(f"M={m}:{v:.1f}" for m, v in us.items())
+
+
+def sweep_kernel(spec: Spec, world, cfg, *, full: bool, timeout_s: float, budget_s: float, seed: int,
+                 deadline: Budget, say: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+    """Coordinate descent over ``spec.space``; returns the best tactic with its timings."""
+    W = world.world_size
+    ms = spec.ms(full)
+    head = f"[tune W={W} {spec.name}]"
+    n = [0]
+
+    def run(t):
+        n[0] += 1
+        return evaluate(spec, world, cfg, t, ms, tag=f"{spec.name}.{W}.{n[0]}", timeout_s=timeout_s,
+                        budget_s=budget_s, seed=seed)
+
+    trials: List[Dict[str, Any]] = []  # every measured candidate, in order, for the sweep report
+
+    def note(res, changed=None):
+        trials.append({"changed": changed, "tactic": res["resolved"], "us": res["us"],
+                       "score": res["score"] if not res["error"] else None, "error": res["error"]})
+
+    base = run({})
+    note(base)
+    if base["error"]:
+        say(f"{head} default tactic failed: {base['error']}; kernel not tuned")
+        return None
+    say(f"{head} default {base['resolved']}: {_fmt_us(base['us'])} us (sum {base['score']:.1f})")
+    best = base
+    current = dict(base["resolved"])
+    tried = {tuple(sorted(current.items()))}
+    skipped = 0
+    for key, values in spec.space(full, W, cfg).items():
+        for v in values:
+            cand = {**current, key: v}
+            sig = tuple(sorted(cand.items()))
+            if sig in tried:
+                continue
+            if deadline.left() <= 0:
+                skipped += 1
+                continue
+            tried.add(sig)
+            res = run(cand)
+            note(res, key)
+            mark = ""
+            if res["error"]:
+                mark = f"skipped ({res['error'][:120]})"
+            elif res["score"] < best["score"] * 0.99:  # 1% hysteresis: noise must not flip tactics
+                best, mark = res, "new best"
+            say(f"{head} {key}={v}: " + (f"{_fmt_us(res['us'])} us (sum {res['score']:.1f}) {mark}"
+                                         if not res["error"] else mark))
+        current = dict(best["resolved"])
+    if skipped:
+        say(f"{head} time budget exhausted: {skipped} candidates not measured (use --max-seconds 0 for no limit)")
+    gain = base["score"] / best["score"] if best["score"] else 1.0
+    say(f"{head} best {best['resolved']}: sum {best['score']:.1f} us ({gain:.2f}x vs default)")
+    return {"tactic": best["resolved"], "us": best["score"], "per_m_us": best["us"], "default": base["resolved"],
+            "default_us": base["score"], "candidates": n[0], "skipped": skipped, "ms": list(ms), "trials": trials}
