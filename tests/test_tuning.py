@@ -178,11 +178,13 @@ def test_k3moetail_takes_op_tactics_from_the_agreed_table():
     fields = tuning.device_fields(torch.device("cpu"))
     shape = tuning.shape_string(H=cfg.hidden, L=cfg.latent, K=cfg.top_k, dtype=cfg.dtype)
     table = tuning.TacticTable()
-    table.put(tuning.make_key("project", world_size=1, shape=shape, **fields), {"triton_max_m": 0, "block_n": 32})
+    table.put(tuning.make_key("project", world_size=1, shape=shape, **fields),
+              {"m16": {"block_n": 32}, "large": {"block_m": 64}})
     mod = K3MoETail(cfg, prefix="tuning.op.0", tactics_table=table)
-    assert mod.context.project.tactics == {"triton_max_m": 0, "block_n": 32}
-    mod2 = K3MoETail(cfg, prefix="tuning.op.1", tactics_table=table, tactics={"project": {"block_n": 64}})
-    assert mod2.context.project.tactics == {"triton_max_m": 0, "block_n": 64}
+    assert mod.context.project.tactics == {"m16": {"block_n": 32}, "large": {"block_m": 64}}
+    assert mod.context.project.tactic_for(1)["block_n"] == 32
+    mod2 = K3MoETail(cfg, prefix="tuning.op.1", tactics_table=table, tactics={"project": {"m16": {"block_n": 64}}})
+    assert mod2.context.project.tactics == {"m16": {"block_n": 64}, "large": {"block_m": 64}}
 
 
 def test_loopback_crossovers_apply_to_loopback_worlds_only():

@@ -195,10 +195,8 @@ def main(args) -> int:
         },
         "baselines": "SEPARATE_REDUCE is the unfused reference (speedup_vs_separate_reduce per point); "
                      "cublas_projection times every rank's torch.matmul(normed, up_weight_shard.T) alone; "
-                     "k3tail_project times every rank's k3tail.project (the same GEMM with the fp32 prefix + "
-                     "shared epilogue and one rounding; above M = 16 its default one-pass Triton epilogue) alone, and "
-                     "for M > 16 k3tail_project_torch_epilogue the same with the four-pass torch epilogue "
-                     "(tactic epilogue='torch', same bits) "
+                     "k3tail_project times every rank's k3tail.project (the tail's batch-invariant GEMM family "
+                     "with the fp32 prefix + shared epilogue and one rounding) alone "
                      "(loopback: the W ranks' GEMMs run concurrently "
                      "on the one GPU, as inside the tiers); lane_large_m_allreduce times FUSED_LANE_AR above the "
                      "lane capacity with the large-M path before the sharded one (large_m='allreduce': fp64 lane "

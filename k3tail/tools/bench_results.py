@@ -174,9 +174,7 @@ def tier_map_plot(results: Dict[str, Any], path, *, title: str = "") -> Optional
                 ax.plot([m for m, _ in tp], [t for _, t in tp], marker="o", ms=3, label=tier,
                         color=TIER_COLORS.get(tier))
             for bname, ls, blabel in (("cublas_projection", "--", "cuBLAS projection only"),
-                                      ("k3tail_project", ":", "k3tail.project only"),
-                                      ("k3tail_project_torch_epilogue", "-.", "k3tail.project, torch epilogue"),
-                                      ("k3tail_project_triton_epilogue", "-.", "k3tail.project, Triton epilogue")):
+                                      ("k3tail_project", ":", "k3tail.project only")):
                 base = sorted((b["M"], b["median_us"]) for b in wres.get("baselines", [])
                               if b["name"] == bname and b.get("median_us") is not None)
                 if base and phase == "graph":

@@ -69,12 +69,12 @@ class LatentTailSpec(Spec):
         return [1, 2, 4, 8, 16] if full else [1, 16]
 
     def space(self, full, W, cfg):
+        # kernel B: the GEMM family's decode tile (no split-K, no GEMV: every B tile gives the same bits)
         if full:
-            return {"b_block_n": [16, 32, 64, 128], "b_split_k": [1, 2, 4, 8, 16], "b_block_k": [64, 128, 256],
-                    "b_warps": [2, 4, 8], "b_stages": [2, 3, 4, 5], "b_gemv_max_m": [0, 1, 2, 4],
-                    "b_gemv_rows": [4, 8, 16], "b_gemv_warps": [4, 8, 16], "a_slices": [1, 2, 4, 7, 14, 28],
+            return {"b_block_n": [16, 32, 64], "b_swap_ab": [True, False], "b_tma": [False, True],
+                    "b_warps": [2, 4, 8], "b_stages": [8, 12, 16, 24, 32], "a_slices": [1, 2, 4, 7, 14, 28],
                     "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
-        return {"b_block_n": [16, 32, 64], "b_split_k": [1, 2, 4, 8], "b_warps": [4, 8], "b_gemv_max_m": [0, 4],
+        return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [12, 16, 24],
                 "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
@@ -165,49 +165,52 @@ class FinalizeSpec(_FusedSpec):
 class _Project:
     """``project`` with a fixed tactic (the per-rank "op" of ProjectSpec)."""
 
-    def __init__(self, tactic: dict, n: int):
-        self.tactic, self.n = tactic, n
+    def __init__(self, tactic: dict):
+        from k3tail.ops.projection import Projector
+
+        self.tactic, self.proj = tactic, Projector(tactic)  # raises ValueError on a bad tactic
 
     def resolved(self) -> dict:
-        from k3tail.ops.projection import default_tactics
+        from k3tail.ops.projection import BUCKETS
 
-        return {**default_tactics(self.n, interpret=False), **self.tactic}  # project()'s CUDA defaults, filled in
+        return {key: dict(self.proj.tactic_for(top if top is not None else 1 << 30)) for key, top in BUCKETS}
 
     def __call__(self, *args, **kwargs):
-        from k3tail.ops.projection import project
+        return self.proj(*args, **kwargs)
 
-        return project(*args, tactics=self.tactic, **kwargs)
+
+def _bucket_candidates(full: bool) -> Dict[str, list]:
+    """The GEMM family's candidates (``triton_kernels.gemm.CANDIDATES``) for each of ``project``'s M
+    buckets: those timed at an M of the bucket.  bench/bench_gemm.py checks on the device that they give
+    the same bits (on the H200 every candidate did): a table must only mix candidates of one bit-class."""
+    from k3tail.ops.projection import BUCKETS
+    from k3tail.triton_kernels import gemm as G
+
+    out: Dict[str, list] = {}
+    lo = 0
+    for key, top in BUCKETS:
+        hi = top if top is not None else 1 << 30
+        names = [n for n, (t, ms) in G.CANDIDATES.items() if any(lo < m <= hi for m in ms)
+                 and (G.warp_spec_supported() or not t["warp_spec"])]
+        out[key] = [dict(G.CANDIDATES[n][0]) for n in (names if full else names[:4])]
+        lo = hi
+    return out
 
 
 class ProjectSpec(Spec):
-    """``k3tail.project`` on this rank's shard ``[H/W, L]`` (no communication; every virtual
-    rank runs it on its own stream, as in the tiers).  ``triton_max_m`` is measured as a
-    crossover: the largest M up to which the Triton skinny GEMM beats the cuBLAS path."""
+    """``k3tail.project`` on this rank's shard ``[H/W, L]`` (no communication; every virtual rank runs it
+    on its own stream, as in the tiers): one GEMM tactic per M bucket (``m16``, ``m256``, ``large``)."""
 
     name = "project"
 
     def ms(self, full):
-        return [1, 4, 16] if full else [1, 16]
+        return [1, 16, 256, 1024] if full else [1, 256, 1024]
 
     def space(self, full, W, cfg):
-        # triton_max_m 0: every M takes the cuBLAS path (measured against the Triton one)
-        if full:
-            return {"block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512], "num_warps": [2, 4, 8],
-                    "triton_max_m": [0, 1, 2, 4, 8, 16]}
-        return {"block_n": [16, 32, 64], "block_k": [128, 256, 512], "num_warps": [4, 8], "triton_max_m": [0, 1, 16]}
+        return _bucket_candidates(full)
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
-        t = dict(tactic or {})
-        # project() validates its tactics at call time: reject bad ones here, before timing
-        from k3tail.ops.projection import TACTIC_KEYS
-
-        unknown = set(t) - TACTIC_KEYS
-        if unknown:
-            raise ValueError(f"tactics has unknown keys {sorted(unknown)}")
-        for k in ("block_n", "block_k"):
-            if k in t and (t[k] < 16 or t[k] & (t[k] - 1)):
-                raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
-        return [_Project(t, cfg.hidden // world.world_size) for _ in range(world.world_size)]
+        return [_Project(dict(tactic or {})) for _ in range(world.world_size)]
 
     def resolved(self, ops):
         return ops[0].resolved()
