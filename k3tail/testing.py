@@ -12,12 +12,8 @@ from typing import Optional
 import torch
 
 from k3tail import reference as ref
+from k3tail.runtime.spawn import NO_MULTICAST_ENV
 
-NO_MULTICAST_ENV = {
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 
 def no_multicast() -> None:
