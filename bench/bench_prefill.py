@@ -240,6 +240,7 @@ def _ints(text: str) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="prefill", help="result files <out>/<name>.json and .png")
     ap.add_argument("--m", type=_ints, default=[1, 1024, 8192])
     ap.add_argument("--loopback-m", type=_ints, default=[1024, 2048, 4096, 8192])
     ap.add_argument("--world-size", type=int, default=8)
@@ -305,11 +306,11 @@ def main() -> int:
     if d:
         series[f"W={args.world_size} sharded"] = [(int(M), v["sharded"]["median_us"]) for M, v in d.items()]
         series[f"W={args.world_size} allreduce (old)"] = [(int(M), v["allreduce"]["median_us"]) for M, v in d.items()]
-    png = BR.line_plot(series, os.path.join(args.out, "prefill.png"), title="k3tail large-M tail (H200)",
+    png = BR.line_plot(series, os.path.join(args.out, f"{args.name}.png"), title="k3tail large-M tail (H200)",
                       xlabel="M (tokens)", ylabel="us per layer (median, graph replay)")
     if png:
         payload["figures"].append(png.name)
-    path = BR.write_results("prefill", payload, args.out)
+    path = BR.write_results(args.name, payload, args.out)
     say(f"wrote {path}")
     return 0
 
