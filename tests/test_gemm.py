@@ -296,13 +296,14 @@ def test_candidates_compile_for_sm90(half):
         if t["warp_spec"]:
             assert r["setmaxnreg"] and r["warps"] == 12, (name, r)  # producer + 2 consumer warpgroups
     if half == 0:
-        # the large-M default: TMA + wgmma; the decode default: TMA + an MMA
+        # the large-M default: TMA + wgmma; the decode default: an MMA, loads as its variant says
         big, small = G.DEFAULTS[None], G.DEFAULTS[16]
         for n in (big, small):
             if n not in res:
                 res.update(_compile([n]))
         assert res[big]["wgmma"] and res[big]["tma"], res[big]
-        assert (res[small]["wgmma"] or res[small]["mma_sync"]) and res[small]["tma"], res[small]
+        load = "tma" if G.CANDIDATES[small][0]["variant"] == "tma" else "cp_async"
+        assert (res[small]["wgmma"] or res[small]["mma_sync"]) and res[small][load], res[small]
 
 
 _B_COMPILER = r"""
