@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .lamport import INTERPRET, canonicalize, is_poisoned, round_to
+from .lamport import shard_of  # issue 20: uneven column shards (any W)
 
 
 @triton.jit
@@ -53,12 +54,13 @@ def _multimem_st32(ptrs, bits):
 
 
 @triton.jit
-def _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN: tl.constexpr, SHARD: tl.constexpr):
+def _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN: tl.constexpr, SHARD: tl.constexpr,
+                W: tl.constexpr):
     """The epilogue's fp32 operands of an [M-tile, N-tile]: the reduced shared shard ``rs32``
     and this rank's prefix shard.  Loaded before the K loop (A wrote ``rs32`` before B's
     ``gdc_wait`` returned; ``prefix`` is an input), so their latency hides under the weights'."""
     sh = tl.load(rs32_ptr + offs_m[:, None] * SHARD + offs_n[None, :], mask=m2, other=0.0)
-    col = rank * SHARD + offs_n
+    col = shard_of(rank, HIDDEN, W)[0] + offs_n  # issue 20: b[rank] (= rank * SHARD when W divides H)
     pf = tl.load(prefix_ptr + offs_m[:, None] * HIDDEN + col[None, :], mask=m2, other=0.0).to(tl.float32)
     return sh, pf
 
@@ -69,7 +71,7 @@ def _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
                 PAD_BYTES: tl.constexpr, DTYPE: tl.constexpr, MULTICAST: tl.constexpr):
     """``acc + sh + pf`` in fp32, one rounding, canonicalize, store into every rank's mailbox."""
     y = canonicalize(round_to(acc + sh + pf, DTYPE))   # the output's only rounding
-    col = rank * SHARD + offs_n
+    col = shard_of(rank, HIDDEN, W)[0] + offs_n  # issue 20: b[rank] (= rank * SHARD when W divides H)
     dst = offs_m[:, None] * HIDDEN + col[None, :]
     if MULTICAST:
         # One store reaches every rank's mailbox, two adjacent 16-bit columns per 32-bit word
@@ -121,7 +123,7 @@ def tail_b_kernel(
     mmask = offs_m < M
     nmask = offs_n < SHARD
     m2 = mmask[:, None] & nmask[None, :]
-    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD)
+    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD, W)
     k0 = ks * K_PER
     a_ptrs = normed_ptr + offs_m[:, None] * LATENT + (k0 + offs_k)[None, :]
     b_ptrs = w_ptr + offs_n[None, :] * LATENT + (k0 + offs_k)[:, None]
@@ -206,7 +208,7 @@ def tail_b_gemv_kernel(
     else:
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
     m2 = mmask[:, None] & nmask[None, :]
-    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD)
+    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD, W)
     # Scheduling fence (no data dependence; loads stay in flight across it): ptxas (sm_90,
     # Triton 3.6) sank most weight loads into the reduction at M = 1 (a few 16-byte loads
     # per thread in flight, the rest issued as partial sums consumed them).  No load
