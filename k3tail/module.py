@@ -76,7 +76,7 @@ from k3tail.collectives import collectives_kind, make_collectives
 from k3tail.config import DEFAULT_LANE_MAX_TOKENS, TailConfig
 from k3tail.errors import (InputRejected, K3TailError, PeerFault, PeerMismatch, PeerRejected, PeerTimeout,
                            TierUnavailable, WorkspacePoisoned)
-from k3tail.ops.fault import call_tag, layer_salt, post_abort
+from k3tail.ops.fault import call_tag, layer_salt, post_abort, warm_abort
 from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm, LaneAllReduce
 from k3tail.ops.multimem import MultimemStage
 from k3tail.ops.prefill import shard_bounds
@@ -305,8 +305,8 @@ class K3MoETail(nn.Module):
         old = g.layers.get(prefix)
         if old is not None and old() is not None and not old()._retired:
             raise ValueError(f"prefix {prefix!r}: a live K3MoETail with this prefix already exists in this group "
-                             f"(each layer needs its own prefix: it keys the layer's mailbox set and names the layer in "
-                             f"errors; a speculative draft layer needs a prefix of its own)")
+                             f"(each layer needs its own prefix: it keys the layer's mailbox set and names the "
+                             f"layer in errors; a speculative draft layer needs a prefix of its own)")
 
         # 1-2. local probes, exactly one MIN all-reduce
         probes = local_probes(cfg, self.comm, self.device, group=group, lane_max_tokens=lane_cap,
@@ -433,6 +433,8 @@ class K3MoETail(nn.Module):
         interpreter there is nothing to compile: returns 0.  Returns the number of calls made."""
         if interpret_mode() or self.device.type != "cuda":
             return 0
+        if self._group.fault_ws is not None:
+            warm_abort(self._group.fault_ws)  # the abort path runs while peers spin: load it now
         cfg = self.config
         top = min(cfg.max_tokens, max_tokens or cfg.max_tokens)
         ms = sorted({*range(1, min(64, top) + 1), *(1 << i for i in range(7, top.bit_length())), top})
@@ -457,7 +459,8 @@ class K3MoETail(nn.Module):
                                            rt.get("routed"), rt.get("expert_out"), rt.get("expert_weights"),
                                            rt.get("expanded_idx"))
                             for tier in self.decision.possible:
-                                if self.why_not(tier, M) is None and not (tier == Tier.CUTE_FINALIZE and form == "routed"):
+                                if self.why_not(tier, M) is None and not (tier == Tier.CUTE_FINALIZE
+                                                                          and form == "routed"):
                                     BODIES[plan_for(tier, M, self.decision.alloc).path](self._ctx, x)
                                     calls += 1
         return calls

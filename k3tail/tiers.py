@@ -95,7 +95,8 @@ class TailCaps:
     * ``multimem``: multicast was agreed; MULTIMEM_AR engages for
       ``multimem_min_tokens <= M <= multimem_max_tokens``;
     * ``large_m``: FUSED_LANE_AR's path above the lane, ``"sharded"``, ``"allreduce"`` (the default:
-      it needs nothing but the group's all-reduce) or ``""`` (none: SEPARATE_REDUCE above the lane).  The sharded path needs no P2P, so groups without ``fused_ar`` take it from
+      it needs nothing but the group's all-reduce) or ``""`` (none: SEPARATE_REDUCE above the lane).  The
+      sharded path needs no P2P, so groups without ``fused_ar`` take it from
       ``large_m_min_tokens`` (``k3tail tune`` learns that crossover against SEPARATE_REDUCE);
     * ``solo``: a world of one; FUSED_LANE_AR is one local launch at every M (the lane fields are
       then unused).
@@ -340,7 +341,8 @@ def _finish(ctx: TierContext, normed, shared_sum, x: TailInputs) -> torch.Tensor
     if not c.shard_up_proj:
         return ctx.project(normed, x.up_weight, prefix_hidden=prefix, shared_sum=shared_sum, out_dtype=c.dtype)
     cols = ctx.own_cols
-    y = ctx.project(normed, x.up_weight, prefix_hidden=prefix[:, cols], shared_sum=shared_sum[:, cols], out_dtype=c.dtype)
+    y = ctx.project(normed, x.up_weight, prefix_hidden=prefix[:, cols], shared_sum=shared_sum[:, cols],
+                    out_dtype=c.dtype)
     return ctx.coll.all_gather_cols(y, ctx.bounds_hidden, tag=ctx.tag)
 
 

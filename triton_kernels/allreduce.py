@@ -100,7 +100,8 @@ def oneshot_allreduce_kernel(
             rows = stage * STAGE_ELEMS + srcs[:, None] * SLOT + t * WIDTH + col[None, :]
             rmask = smask[:, None] & cmask[None, :]
             tptrs = my_tags + ((stage * W + srcs) * MAX_TOKENS + t) * CHUNKS + c
-            state = wait_slots(my_base + rows, rmask, tptrs, smask, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
+            state = wait_slots(my_base + rows, rmask, tptrs, smask, tag, fault_ptr, clock_ptr, deadline,
+                               USE_GLOBALTIMER)
             missing = rank * 0 + NO_RANK_C
             if state == 1:
                 missing = first_armed_src(my_base + rows, rmask, tptrs, smask)

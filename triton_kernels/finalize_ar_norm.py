@@ -167,7 +167,7 @@ def _wait(rows, rmask, tptrs, tmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, cl
           W: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """Poll one chunk's W slot rows and tag slots; 1 when every source arrived with this call's
     tag, else 0 (the fault is posted or mirrored: ``lamport.settle``)."""
-    state = wait_slots(rows, rmask, tptrs, tmask, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
+    state = wait_slots(rows, rmask, tptrs, tmask, tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
     missing = rank * 0 + NO_RANK_C
     if state == 1:
         missing = first_armed_src(rows, rmask, tptrs, tmask)

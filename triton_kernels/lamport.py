@@ -9,7 +9,8 @@ one consumer (the owner of the region).
 
 Sentinel.  A slot element is *armed* when it holds the bit pattern of -0.0 of the slot's
 type: 0x8000 for bf16/fp16 slots, 0x80000000 for fp32 slots (fp32 payloads carry partial
-sums that the rounding contract forbids rounding to 16 bits before they are added).  Real data never equals the sentinel because every writer
+sums that the rounding contract forbids rounding to 16 bits before they are added).  Real data
+never equals the sentinel because every writer
 *canonicalizes* -0.0 to +0.0 before it stores (:func:`canonicalize`).  Comparisons are
 made on the integer bits, never on floats (-0.0 == +0.0 as floats).
 
@@ -226,43 +227,45 @@ def check_start(fault_ptr, host_flag_ptr):
 
 
 @triton.jit
-def wait_slots(ptrs, mask, tag_ptrs, tag_mask, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER: tl.constexpr):
-    """Spin on local slots ``ptrs`` and tag slots ``tag_ptrs`` until no masked element of either
-    is the sentinel.  Returns 0 (arrived), 1 (deadline passed) or 2 (the fault word is set).
+def wait_slots(ptrs, mask, tag_ptrs, tag_mask, tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER: tl.constexpr):
+    """Spin on local slots ``ptrs`` and tag slots ``tag_ptrs`` until no masked element of either is
+    the sentinel and every tag equals ``tag``.  Returns 0 (arrived, tags equal), 1 (deadline passed),
+    2 (the fault word is set) or 3 (a tag slot holds another call's tag: no need to wait for the data).
+    The tags are compared inside the loop, so the fast path pays no extra load after it.
 
     The loop carries only a scalar (a tensor loop-carry with a reduction condition crashed the
     Triton 3.6 compiler); callers load the data again after the loop."""
-    state = 3  # 3 pending
-    while state > 2:
+    state = 5  # 5 pending
+    while state > 4:
         v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         tg = tl.load(tag_ptrs, mask=tag_mask, other=0, volatile=True)
-        n_armed = tl.sum((is_armed(v) & mask).to(tl.int32)) + tl.sum((is_armed(tg) & tag_mask).to(tl.int32))
+        tg_armed = is_armed(tg) & tag_mask
+        n_armed = tl.sum((is_armed(v) & mask).to(tl.int32)) + tl.sum(tg_armed.to(tl.int32))
+        n_wrong = tl.sum((tag_mask & (tg != tag) & ~tg_armed).to(tl.int32))
         late = now_ns(clock_ptr, USE_GLOBALTIMER) > deadline
-        state = tl.where(n_armed == 0, 0, tl.where(is_poisoned(fault_ptr), 2, tl.where(late, 1, 3)))
+        state = tl.where(n_wrong > 0, 3, tl.where(n_armed == 0, 0, tl.where(is_poisoned(fault_ptr), 2,
+                                                                             tl.where(late, 1, 5))))
     return state
 
 
 @triton.jit
 def settle(state, tag_ptrs, tag_mask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W: tl.constexpr):
-    """After :func:`wait_slots`: True when the data may be used.  Arrived: compare the tag slots
-    (source i at ``tag_ptrs[i]``) with ``tag``; the first source with another tag is posted as a
-    MISMATCH.  Deadline: post a TIMEOUT naming ``missing`` (the caller's first source still
-    armed, or NO_RANK).  Fault word set: mirror it to the host."""
-    ok = state == 0
-    if state == 0:
+    """After :func:`wait_slots`: True when the data may be used (state 0: nothing more to do).
+    Another tag (3): post a MISMATCH naming the first source with another tag.  Deadline (1): post a
+    TIMEOUT naming ``missing`` (the caller's first source still armed, or NO_RANK).  Fault word set
+    (2): mirror it to the host."""
+    if state == 3:
         srcs = tl.arange(0, tag_ptrs.shape[0])
         tg = tl.load(tag_ptrs, mask=tag_mask, other=0, volatile=True)
-        wrong = tag_mask & (tg != tag)
+        wrong = tag_mask & (tg != tag) & ~is_armed(tg)
         bad = tl.min(tl.where(wrong, srcs, NO_RANK_C))
-        if bad < NO_RANK_C:
-            got = tl.max(tl.where(srcs == bad, tg, -1))
-            post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(2, bad, rank), tag, got, W)
-            ok = False
+        got = tl.max(tl.where(srcs == bad, tg, -1))
+        post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(2, bad, rank), tag, got, W)
     elif state == 1:
         post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(1, missing, rank), tag, -1, W)
-    else:
+    elif state == 2:
         note_fault(host_flag_ptr)
-    return ok
+    return state == 0
 
 
 @triton.jit

@@ -23,7 +23,8 @@ partial unchanged (an exact 16-bit input), ``mailbox`` the once-rounded output.
 Local (never addressed by peers) scratch of the set: ``sum32 [MT, L]`` fp32 (the reduced
 latent), ``sq [MT, SLICES]`` fp64 (partial sums of squares), ``normed [MT, L]`` dtype (the
 once-rounded normed latent, kernel B's A operand), ``rs32 [MT, S]`` fp32 (the reduced own
-shared shard, handed to B in fp32, row stride = this rank's shard width), ``cnt_a [MT]`` and ``cnt_b [..]`` int32 arrival
+shared shard, handed to B in fp32, row stride = this rank's shard width), ``cnt_a [MT]`` and
+``cnt_b [..]`` int32 arrival
 counters (each reset to 0 by the program that completes it), ``part [SPLIT_K, 16, S]``
 fp32 (split-K partials of B).
 
@@ -191,7 +192,7 @@ def tail_a_kernel(
                 rrows = (t * W + srcs[:, None]) * LATENT + col[None, :]
                 rmask = wmask[:, None] & lmask[None, :]
                 tptrs = my_tags + (t * W + srcs) * SQ_STRIDE + s
-                state = wait_slots(my_routed + rrows, rmask, tptrs, wmask, fault_ptr, clock_ptr, deadline,
+                state = wait_slots(my_routed + rrows, rmask, tptrs, wmask, tag, fault_ptr, clock_ptr, deadline,
                                    USE_GLOBALTIMER)
                 missing = rank * 0 + NO_RANK_C
                 if state == 1:
@@ -209,7 +210,7 @@ def tail_a_kernel(
                     srows = (t * W + srcs[:, None]) * SHARD + cs[None, :]
                     sm2 = wmask[:, None] & smask[None, :]
                     no_tag = srcs < 0
-                    state2 = wait_slots(my_rs + srows, sm2, tptrs, no_tag, fault_ptr, clock_ptr, deadline,
+                    state2 = wait_slots(my_rs + srows, sm2, tptrs, no_tag, tag, fault_ptr, clock_ptr, deadline,
                                         USE_GLOBALTIMER)
                     missing2 = rank * 0 + NO_RANK_C
                     if state2 == 1:
@@ -264,7 +265,7 @@ def tail_c_kernel(
             col = (item % CHUNKS) * BLOCK + offs
             cmask = col < HIDDEN
             ptrs = mb + t * HIDDEN + col
-            state = wait_slots(ptrs, cmask, no_tag_ptrs, no_tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
+            state = wait_slots(ptrs, cmask, no_tag_ptrs, no_tag, 0, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
             missing = rank * 0 + NO_RANK_C
             if state == 1:  # the owner of the first column still armed never stored its shard
                 v = tl.load(ptrs, mask=cmask, other=0.0, volatile=True)

@@ -26,7 +26,8 @@ class OneShotAllReduce:
     ``OneShotAllReduce(group=None, *, max_tokens, width, dtype=torch.bfloat16, timeout_s=20.0, device=None)``
 
     The sum is accumulated in fp64 in rank order and rounded once to ``dtype`` (bf16 or fp16), so
-    every rank returns bit-identical results; ``M <= max_tokens``.  ``group``: a process group (None: the default one; without ``torch.distributed`` initialized, a
+    every rank returns bit-identical results; ``M <= max_tokens``.  ``group``: a process group (None:
+    the default one; without ``torch.distributed`` initialized, a
     world of one, which returns a copy), or a ``LoopbackWorld`` group.  ``device``: where the
     workspace and the tensors live (``k3tail.runtime.workspace.resolve_device``).  Construct on every
     rank in the same order (collective allocation), outside CUDA-graph capture; calls are

@@ -20,7 +20,7 @@ from k3tail.runtime.modes import warm_only_active
 from k3tail.runtime.workspace import Workspace
 from k3tail.triton_kernels.lamport import abort_kernel
 
-__all__ = ["CallCounter", "call_tag", "layer_salt", "post_abort"]
+__all__ = ["CallCounter", "call_tag", "layer_salt", "post_abort", "warm_abort"]
 
 _ABORT = L.kernel(abort_kernel)
 _SEQ_BITS, _M_BITS = 17, 14
@@ -74,3 +74,13 @@ def post_abort(ws: Workspace, code: int, failing: int, detector: int) -> None:
     # on the current stream, after this rank's earlier work (never waits: it only stores)
     _ABORT.variant(W=owner.world_size, num_warps=1)((1,), owner.ftab, owner.host_flag,
                                                     record_word(code, failing, detector))
+
+
+def warm_abort(ws: Workspace) -> None:
+    """Compile and load the abort kernel for ``ws``'s world size now (a GPU module load while a
+    peer's kernel spins can hang the process, TRITON_NOTES 2: the abort path runs exactly then)."""
+    from k3tail.runtime.modes import warm_only
+
+    owner = ws.fault_owner
+    with warm_only():
+        _ABORT.variant(W=owner.world_size, num_warps=1)((1,), owner.ftab, owner.host_flag, 0)

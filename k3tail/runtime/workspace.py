@@ -53,7 +53,7 @@ from k3tail.runtime.comm import Comm, DistComm, comm_for
 from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.sentinel import arm_region
-from k3tail.triton_kernels.lamport import CTRL_BYTES, CTRL_FAULT_GOT, CTRL_FAULT_TAG, CTRL_POISON, CTRL_WORDS
+from k3tail.triton_kernels.lamport import CTRL_BYTES, CTRL_FAULT_GOT, CTRL_FAULT_TAG, CTRL_POISON
 
 _ALIGN = 4096
 SHM_PREFIX_ENV = "K3TAIL_SHM_PREFIX"
@@ -230,7 +230,8 @@ def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = Non
 
     Every rank of ``group`` must call this in the same order with the same arguments.
     ``device``: as :func:`resolve_device` says (None: the group's own device; a loopback
-    group's regions are always on its world's device).  The region is armed with 16-bit sentinels, except the ``(offset, nbytes)`` ranges in
+    group's regions are always on its world's device).  The region is armed with 16-bit sentinels,
+    except the ``(offset, nbytes)`` ranges in
     ``arm32`` (fp32 slots), before the closing barrier.
     """
     arm32 = tuple((int(o), int(n)) for o, n in arm32)
