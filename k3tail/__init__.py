@@ -14,7 +14,8 @@ import torch as _torch
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from k3tail.errors import K3TailError, PeerTimeout, TierUnavailable, WorkspacePoisoned  # noqa: E402
+from k3tail.errors import (InputRejected, K3TailError, PeerFault, PeerMismatch, PeerRejected,  # noqa: E402
+                           PeerTimeout, TierUnavailable, WorkspacePoisoned)
 from k3tail.runtime.loopback import LoopbackWorld  # noqa: E402
 from k3tail.runtime.workspace import Workspace, create_workspace  # noqa: E402
 from k3tail.runtime.spawn import spawn  # noqa: E402
@@ -34,9 +35,11 @@ _LAZY = {
     "select_tier": "tiers",
     "TailConfig": "config",
     "K3MoETail": "module",
+    "reset": "module",
 }
 
-__all__ = ["K3TailError", "PeerTimeout", "TierUnavailable", "WorkspacePoisoned", "LoopbackWorld",
+__all__ = ["K3TailError", "PeerFault", "PeerTimeout", "PeerMismatch", "PeerRejected", "InputRejected",
+           "TierUnavailable", "WorkspacePoisoned", "LoopbackWorld",
            "Workspace", "create_workspace", "spawn", "reference", *_LAZY]
 
 

@@ -33,10 +33,19 @@ Two families of operations:
 The send layout (``k3tail.ops.prefill``): dest d's block of an ``[M, n]`` matrix is the row-major
 ``[M, b[d+1] - b[d]]`` block at element ``M * b[d]``, ``b = shard_bounds(n, W)``.  The exchanges
 and gathers copy: 16-bit data travels in its own dtype and is never summed by a collective.
+
+One call, one pairing (DESIGN §9).  The peer kind's waiting operations take the caller's call
+``tag`` (checked by every peer, ``triton_kernels/lamport.py``) and, for the first exchange of a
+routed partial, the ``status`` word of the finalize that produced it (an index out of range there
+becomes an INDEX fault on every rank).  The group kind cannot check tags inside NCCL/gloo
+collectives, so ``k3tail.module`` starts every call that uses them with :meth:`GroupCollectives.header`,
+a tiny MIN all-reduce that every rank joins (also a rank that rejected its inputs, with ``ok = 0``),
+bounded by ``timeout_s`` (``work.wait(timeout)``).
 """
 
 from __future__ import annotations
 
+import datetime
 import threading
 import weakref
 from typing import Dict, Optional, Sequence
@@ -44,7 +53,7 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from k3tail.errors import K3TailError
+from k3tail.errors import K3TailError, PeerTimeout
 from k3tail.ops.allreduce import Fp32AllReduce, OneShotAllReduce
 from k3tail.ops.exchange import PeerExchange
 from k3tail.ops.prefill import ordered_sum, pack_shards, shard_bounds
@@ -92,8 +101,9 @@ class ShardExchange:
         else:
             pack_shards(x, bounds, out=out)
 
-    def publish(self) -> None:
-        """Every rank's writes so far become readable by its peers."""
+    def publish(self, *, tag: Optional[int] = None, status: Optional[torch.Tensor] = None) -> None:
+        """Every rank's writes so far become readable by its peers (peer kind: a barrier that checks
+        the call ``tag`` and carries the finalize's ``status``)."""
 
     def reduce_shards(self, name: str, *, M: int, bounds: Sequence[int], dtype: torch.dtype, sumsq: bool):
         """``(x [M, n_own], ss64 [M] or None)``: this rank's shard of every rank's send layout
@@ -122,15 +132,24 @@ class Collectives:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.exchange: Optional[ShardExchange] = None
 
-    def all_reduce_sum(self, x: torch.Tensor, *, fp64: bool) -> torch.Tensor:
+    def all_reduce_sum(self, x: torch.Tensor, *, fp64: bool, tag: Optional[int] = None,
+                       status: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def all_reduce_sums(self, xs: Sequence[torch.Tensor], *, fp64: bool) -> list:
-        """:meth:`all_reduce_sum` of each ``[M, n_i]`` tensor (a kind may fuse them into one)."""
-        return [self.all_reduce_sum(x, fp64=fp64) for x in xs]
+    def all_reduce_sums(self, xs: Sequence[torch.Tensor], *, fp64: bool, tag: Optional[int] = None,
+                        status: Optional[torch.Tensor] = None) -> list:
+        """:meth:`all_reduce_sum` of each ``[M, n_i]`` tensor (a kind may fuse them into one); ``status``
+        goes with the first."""
+        return [self.all_reduce_sum(x, fp64=fp64, tag=tag, status=status if i == 0 else None)
+                for i, x in enumerate(xs)]
 
-    def all_gather_cols(self, y: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+    def all_gather_cols(self, y: torch.Tensor, bounds: Sequence[int], *, tag: Optional[int] = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def workspaces_ops(self) -> list:
+        """The ops holding Lamport workspaces (the module binds them to its group's fault block and
+        re-arms them on recovery)."""
+        return []
 
 
 # ============================================================================ solo
@@ -160,10 +179,10 @@ class SoloCollectives(Collectives):
         super().__init__(0, 1, device)
         self.exchange = _SoloExchange(0, 1, device)
 
-    def all_reduce_sum(self, x, *, fp64):
+    def all_reduce_sum(self, x, *, fp64, tag=None, status=None):
         return x if x.dtype == torch.float32 else x.float()
 
-    def all_gather_cols(self, y, bounds):
+    def all_gather_cols(self, y, bounds, *, tag=None):
         return y
 
 
@@ -214,7 +233,37 @@ class GroupCollectives(Collectives):
         self.comm, self.group = comm, comm.group
         self.exchange = _GroupExchange(comm, device)
 
-    def all_reduce_sum(self, x, *, fp64):
+    def header(self, vec: torch.Tensor, timeout_s: float, on_late=None, grace_s: float = 2.0):
+        """The call header: ``vec`` (int64) MIN-all-reduced in place.  Returns ``(vec on the CPU, late)``.
+
+        A rank that has not joined after ``timeout_s`` is late: ``on_late()`` runs first (the module
+        posts a fault into every rank's fault word, which a late rank reads before it joins and then
+        joins with ``ok = 0``), then the header gets ``grace_s`` more.  Completed then: ``late`` is
+        True and the result says whether the late rank had seen the fault (consistent on every rank:
+        the MIN is).  Still not complete: :class:`k3tail.PeerTimeout`, with the pending work as
+        ``.work`` (the module keeps it; the late rank's header completes it later)."""
+        work = dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            return vec.cpu(), False
+        except RuntimeError:
+            pass
+        if on_late is not None:
+            on_late()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=grace_s))
+            return vec.cpu(), True
+        except RuntimeError as e:
+            err = PeerTimeout("group header", self.rank, self.world_size, timeout_s + grace_s,
+                              f"some rank did not join the call header: {e}")
+            err.work = work
+            raise err from None
+
+    def post(self, vec: torch.Tensor):
+        """Join a header without waiting (a rank that failed: its peers' header completes); the work."""
+        return dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+
+    def all_reduce_sum(self, x, *, fp64, tag=None, status=None):
         if fp64:  # order-free: NCCL/gloo sum in their own order (k3tail.numerics)
             x64 = x.double()
             dist.all_reduce(x64, group=self.group)
@@ -223,7 +272,7 @@ class GroupCollectives(Collectives):
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_reduce_sums(self, xs, *, fp64):
+    def all_reduce_sums(self, xs, *, fp64, tag=None, status=None):
         """One collective for the whole lane ``[x_0 | x_1 | ...]``."""
         lane = torch.cat([x.double() if fp64 else x.float() for x in xs], dim=1)
         dist.all_reduce(lane, group=self.group)
@@ -233,7 +282,7 @@ class GroupCollectives(Collectives):
             c0 += x.shape[1]
         return out
 
-    def all_gather_cols(self, y, bounds):
+    def all_gather_cols(self, y, bounds, *, tag=None):
         return _group_gather(y.contiguous(), y.shape[0], list(bounds), self.rank, self.group, self.device,
                              y.dtype, None)
 
@@ -250,8 +299,8 @@ class _PeerExchange(ShardExchange):
     def area(self, name, dtype, numel):
         return self.px.area(name, dtype, numel)
 
-    def publish(self):
-        self.px.barrier()
+    def publish(self, *, tag=None, status=None):
+        self.px.barrier(tag=tag, status=status)
 
     def end_call(self):
         pass  # the areas are the symmetric workspace itself
@@ -297,13 +346,19 @@ class PeerCollectives(Collectives):
             self.exchange = _PeerExchange(comm, device, areas=areas, widths=(bl, bh, list(range(W + 1))),
                                           timeout_s=timeout_s)
 
-    def all_reduce_sum(self, x, *, fp64):
+    def workspaces_ops(self) -> list:
+        ops = [*self._ar.values(), self._gather]
+        if self.exchange is not None:
+            ops.append(self.exchange.px)
+        return ops
+
+    def all_reduce_sum(self, x, *, fp64, tag=None, status=None):
         ar = self._ar.get(x.shape[1])
         if ar is None:
             raise K3TailError(f"peer all-reduce: no workspace of width {x.shape[1]}")
-        return ar(x.float().contiguous() if x.dtype != torch.float32 else x.contiguous())
+        return ar(x.float().contiguous() if x.dtype != torch.float32 else x.contiguous(), tag=tag, status=status)
 
-    def all_gather_cols(self, y, bounds):
+    def all_gather_cols(self, y, bounds, *, tag=None):
         """The one-shot sum of rows that are zero outside the owner's columns: exact, because
         x + 0 = x in fp32 and the sum is rounded back to the 16-bit x (-0.0 becomes +0.0, as
         in every Lamport tier)."""
@@ -314,7 +369,7 @@ class PeerCollectives(Collectives):
         padded[:, bounds[self.rank]:bounds[self.rank + 1]] = y
         out = torch.empty_like(padded)
         for r0 in range(0, M, self.chunk):
-            out[r0:r0 + self.chunk] = self._gather(padded[r0:r0 + self.chunk])
+            out[r0:r0 + self.chunk] = self._gather(padded[r0:r0 + self.chunk], tag=tag)
         return out
 
 

@@ -27,6 +27,30 @@ A call validates its tensors, looks up the :class:`k3tail.tiers.Plan` of its sha
 phase, forced tier: decided once per shape and cached) and runs the plan's body
 (``k3tail.tiers``) over the module's :class:`k3tail.tiers.TierContext`.
 
+One call, one pairing (DESIGN §9; the kernels' side: ``triton_kernels/lamport.py``).  A call
+either completes on every rank with every rank's data from that same call, or fails on every
+rank with a :class:`k3tail.PeerFault` naming the failing rank, the layer (``prefix``), the tier
+and the reason.  Per process and group (:class:`_GroupCalls`, shared by every module of the group):
+
+* a *call sequence number*, advanced by every call of every module of the group (rejected calls
+  included), so a rank that skips one layer's call, or rejects a call, is caught at its next call;
+  the call's *tag* (``k3tail.ops.fault.call_tag``: sequence, the module's layer id, M) goes to the
+  kernels as a runtime argument, and every Lamport consumer compares it (a CUDA graph captures it
+  as a constant; every rank captures the same, and replays are told apart by the deadlines);
+* ONE shared *fault block* (a tiny symmetric workspace): every Lamport op of the group posts and
+  checks faults there, so a fault in any workspace ends every wait of the group on every rank;
+* the *abort path*: a rank that rejects its inputs (``ValueError``, ``TierUnavailable``) or raises
+  a fault posts a record into every rank's fault word (``k3tail.ops.fault.post_abort``), then
+  raises (:class:`k3tail.InputRejected` for its own rejection);
+* the *group header* (collectives of kind ``group``, NCCL/gloo): every call that uses the group's
+  own collectives starts with a MIN all-reduce of ``[ok per rank | seq, layer, M, path | negated]``,
+  bounded by ``timeout_s``; a rank that rejects its inputs joins it with ``ok = 0``.  A rank that
+  raises a fault in a call that did not join a header *posts* one (not waited for), so that every
+  rank joins exactly one header op per faulted call and the group's collectives stay paired;
+* the recovery: :func:`reset` (``k3tail.reset(group)``, collective) re-arms every workspace of
+  the group in place (no allocation: CUDA graphs stay valid); constructing a module on a faulted
+  group does the same and retires the group's older modules.
+
 torch.compile: under compilation ``forward`` calls the ``k3tail::moe_tail`` custom op
 (handle-registry pattern: the op takes an int handle that names the module; its fake
 implementation returns an empty ``[M, hidden]``), so ``fullgraph=True`` works.  Eager calls
@@ -36,6 +60,7 @@ skip the dispatcher.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import logging
 import os
@@ -50,7 +75,9 @@ from torch import nn
 from k3tail import tuning
 from k3tail.collectives import collectives_kind, make_collectives
 from k3tail.config import DEFAULT_LANE_MAX_TOKENS, WEIGHT_DTYPES, TailConfig
-from k3tail.errors import K3TailError, TierUnavailable
+from k3tail.errors import (InputRejected, K3TailError, PeerFault, PeerMismatch, PeerRejected, PeerTimeout,
+                           TierUnavailable, WorkspacePoisoned)
+from k3tail.ops.fault import call_tag, layer_salt, post_abort, warm_abort
 from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm, LaneAllReduce
 from k3tail.ops.multimem import MultimemStage
 from k3tail.ops.prefill import shard_bounds
@@ -58,9 +85,9 @@ from k3tail.ops.projection import Projector
 from k3tail.ops.tail import LatentTail
 from k3tail.runtime.checks import check_routed, check_tensor
 from k3tail.runtime.comm import SoloComm, comm_for
-from k3tail.runtime.loopback import LoopbackGroup
-from k3tail.runtime.modes import interpret_mode, warm_only
-from k3tail.runtime.workspace import resolve_device
+from k3tail.runtime.loopback import LoopbackGroup, group_identity
+from k3tail.runtime.modes import interpret_mode, warm_only, warm_only_active
+from k3tail.runtime.workspace import Workspace, create_workspace, resolve_device
 from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, decide, plan_for,
                           select_plan, why_not)
 from k3tail.vote import local_probes, run_vote
@@ -101,6 +128,110 @@ def _agreed_tactics(comm, device, table, cfg: TailConfig, W: int, loopback: bool
         if tuned:
             tactics[op] = {**tuned, **tactics.get(op, {})}
     return cross, tactics, agreed.table.source
+
+
+# ------------------------------------------------------ the group's call protocol (DESIGN §9)
+_CODES = {"timeout": 1, "mismatch": 2, "rejected": 3, "index": 4}
+_PATHS = ("tail", "cute", "multimem", "lane", "sharded", "allreduce", "solo", "separate")
+_HEADER_FIELDS = ("call sequence", "layer", "M", "path")
+
+
+class _GroupCalls:
+    """This process's side of one group's call protocol (the module docstring): the call sequence,
+    the layers (prefix -> module), the shared fault block, the ops to re-arm on recovery, the
+    first fault this rank raised and the header operations not known to be complete."""
+
+    def __init__(self, comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self.seq = 0
+        self.next_layer = 1
+        self.layers: Dict[str, "weakref.ReferenceType"] = {}
+        self.modules: "weakref.WeakSet" = weakref.WeakSet()
+        self.members: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+        self.fault_ws: Optional[Workspace] = None
+        self.fault: Optional[K3TailError] = None
+        self.pending: list = []
+
+    def faulted(self) -> bool:
+        """Has this rank seen a fault of the group (raised one, or its device met one)?"""
+        if self.fault is not None:
+            return True
+        ws = self.fault_ws
+        if ws is None:
+            return False
+        if ws.poisoned():
+            return True
+        return ws.fault_word() != 0  # a device read (construction and reset only)
+
+    def register(self, op) -> None:
+        """Bind ``op``'s workspace to the group's fault block and re-arm it on recovery."""
+        ws = getattr(op, "ws", None)
+        if ws is None or self.fault_ws is None:
+            return
+        ws.bind_fault(self.fault_ws)
+        self.members[id(op)] = op
+
+
+_groups: Dict[tuple, _GroupCalls] = {}
+_groups_lock = threading.Lock()
+
+
+def _group_calls(comm, device: torch.device) -> _GroupCalls:
+    key = (group_identity(comm), str(device))
+    with _groups_lock:
+        g = _groups.get(key)
+        if g is None:
+            g = _groups[key] = _GroupCalls(comm, device)
+    return g
+
+
+def _recover(g: _GroupCalls, *, retire: bool, timeout_s: float) -> None:
+    """Re-arm every workspace of the group in place, collectively (every rank calls it at the same
+    point): wait for this rank's pending header operations (each rank joined exactly one per
+    faulted call, so they complete once every rank has raised), let this rank's device work end
+    (every wait ends on the fault word), barrier, re-arm, barrier."""
+    for work in g.pending:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise K3TailError(f"k3tail.reset: rank {g.comm.rank}: a peer never joined the group header of the "
+                              f"faulted call within {timeout_s:.0f} s ({e}); every rank must raise its fault "
+                              f"(or call K3MoETail.check()) before the recovery") from None
+    g.pending.clear()
+    if g.device.type == "cuda":
+        torch.cuda.synchronize(g.device)
+    g.comm.barrier()  # no rank launches into the group's workspaces any more
+    for op in list(g.members.values()):
+        op.rearm()
+    if g.fault_ws is not None:
+        g.fault_ws.rearm()
+    for m in list(g.modules):
+        if m._ctx.status is not None:
+            m._ctx.status.zero_()
+        if retire:
+            m._retired = True
+    if retire:
+        g.layers.clear()
+    if g.device.type == "cuda":
+        torch.cuda.synchronize(g.device)
+    g.comm.barrier()  # every region armed again before any rank may write into it
+    g.seq, g.fault = 0, None
+
+
+def reset(group=None, *, device=None, timeout_s: float = 60.0) -> None:
+    """Recover ``group``'s K3MoETail modules after a fault, in place: collective, every rank of the
+    group calls it at the same point, after each has raised its fault (or ``K3MoETail.check()``
+    raised).  Every workspace of the group's modules is re-armed where it is (nothing is allocated,
+    so captured CUDA graphs stay valid), the fault words are cleared and the call sequence
+    restarts; the modules are then exact again.  ``device``: only the group's modules on that
+    device (default: all).  Also safe on a healthy group (every rank idle)."""
+    comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
+    ident = group_identity(comm)
+    with _groups_lock:
+        gs = [g for (i, d), g in sorted(_groups.items(), key=lambda kv: kv[0][1])
+              if i == ident and (device is None or d == str(resolve_device(comm, device)))]
+    for g in gs:
+        _recover(g, retire=False, timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------- the module
@@ -162,13 +293,21 @@ class K3MoETail(nn.Module):
         self.comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         W = self.world_size
-        if cfg.shard_up_proj and (cfg.hidden % W or (cfg.hidden // W) % 8):
-            raise ValueError(f"config.hidden ({cfg.hidden}) must be a multiple of 8*W (W={W}) when "
-                             f"shard_up_proj=True (each rank owns hidden/W rows of the up-projection)")
         self.device = resolve_device(self.comm, device)
         loopback = isinstance(self.comm, LoopbackGroup)
         # what the group cannot do on this device fails here, before the probes allocate anything
         collectives_kind(self.comm, self.device, exchange=exchange, p2p=True)
+        # the group's call protocol: after a fault, a new module recovers the group first (collective:
+        # every rank has raised its fault) and retires the modules built before it
+        g = self._group = _group_calls(self.comm, self.device)
+        self._retired = False
+        if W > 1 and g.faulted():
+            _recover(g, retire=True, timeout_s=self.timeout_s + 5.0)
+        old = g.layers.get(prefix)
+        if old is not None and old() is not None and not old()._retired:
+            raise ValueError(f"prefix {prefix!r}: a live K3MoETail with this prefix already exists in this group "
+                             f"(each layer needs its own prefix: it keys the layer's mailbox set and names the "
+                             f"layer in errors; a speculative draft layer needs a prefix of its own)")
 
         # 1-2. local probes, exactly one MIN all-reduce
         probes = local_probes(cfg, self.comm, self.device, group=group, lane_max_tokens=lane_cap,
@@ -198,6 +337,8 @@ class K3MoETail(nn.Module):
         # 5. collective allocations, fixed order, sized to the ceilings (failure = fatal)
         a = d.alloc
         try:
+            if W > 1 and g.fault_ws is None:  # the group's shared fault block (first module of the group)
+                g.fault_ws = create_workspace(group, 64, device=self.device, what="K3MoETail fault block")
             ctx = TierContext(config=cfg, rank=self.rank, world_size=W, device=self.device,
                               bounds_latent=shard_bounds(cfg.latent, W), bounds_hidden=shard_bounds(cfg.hidden, W),
                               coll=None, project=Projector(tactics.get("project")))
@@ -231,9 +372,21 @@ class K3MoETail(nn.Module):
                               f"fatal on purpose: falling back alone would strand the other ranks") from e
         if self.device.type == "cuda" and kind == "group":
             ctx.side_stream = torch.cuda.Stream(device=self.device)
+        ctx.status = torch.zeros(1, dtype=torch.int32, device=self.device)
+        for op in (ctx.tail, ctx.lane, *ctx.coll.workspaces_ops()):
+            if op is not None:
+                g.register(op)
+        self._kind = kind
+        self._layer_id = g.next_layer
+        g.next_layer += 1
+        self._salt = layer_salt(self._layer_id)
+        g.layers[prefix] = weakref.ref(self)
+        g.modules.add(self)
+        self._last_tier: Optional[str] = None
         self._ctx = ctx
         self._plans: Dict[tuple, tuple] = {}
-        self._up_rows = cfg.hidden // W if cfg.shard_up_proj else cfg.hidden
+        b = ctx.bounds_hidden
+        self._up_rows = b[self.rank + 1] - b[self.rank] if cfg.shard_up_proj else cfg.hidden
         self._handle = next(_handle_ids)
         _handles[self._handle] = weakref.ref(self)
         if warmup:
@@ -281,6 +434,8 @@ class K3MoETail(nn.Module):
         interpreter there is nothing to compile: returns 0.  Returns the number of calls made."""
         if interpret_mode() or self.device.type != "cuda":
             return 0
+        if self._group.fault_ws is not None:
+            warm_abort(self._group.fault_ws)  # the abort path runs while peers spin: load it now
         cfg = self.config
         top = min(cfg.max_tokens, max_tokens or cfg.max_tokens)
         ms = sorted({*range(1, min(64, top) + 1), *(1 << i for i in range(7, top.bit_length())), top})
@@ -305,7 +460,8 @@ class K3MoETail(nn.Module):
                                            rt.get("routed"), rt.get("expert_out"), rt.get("expert_weights"),
                                            rt.get("expanded_idx"))
                             for tier in self.decision.possible:
-                                if self.why_not(tier, M) is None and not (tier == Tier.CUTE_FINALIZE and form == "routed"):
+                                if self.why_not(tier, M) is None and not (tier == Tier.CUTE_FINALIZE
+                                                                          and form == "routed"):
                                     BODIES[plan_for(tier, M, self.decision.alloc).path](self._ctx, x)
                                     calls += 1
         return calls
@@ -362,7 +518,8 @@ class K3MoETail(nn.Module):
                      expanded_idx=x.expanded_idx, M=M, width=c.latent, top_k=c.top_k, dtype=dt, device=dev)
         return M
 
-    def _plan(self, M: int, gp: int, tr: int) -> Callable:
+    def _plan(self, M: int, gp: int, tr: int) -> tuple:
+        """``(plan, body)`` of a call shape (decided once per shape, cached)."""
         key = (M, gp, tr)
         hit = self._plans.get(key)
         if hit is not None:
@@ -376,23 +533,174 @@ class K3MoETail(nn.Module):
         else:
             _log_once(("forced", self.prefix, key), logging.DEBUG, "K3MoETail %r: %d tokens forced to tier %s, path %s",
                       self.prefix, M, plan.tier.name, plan.path)
-        body = BODIES[plan.path]
+        hit = (plan, BODIES[plan.path])
         if len(self._plans) > 4096:  # prefill sees many distinct M: keep the cache bounded
             self._plans.clear()
-        self._plans[key] = body
-        return body
+        self._plans[key] = hit
+        return hit
 
     def _call(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
               expanded_idx, gp: int, tr: int) -> torch.Tensor:
         x = TailInputs(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
                        expanded_idx)
-        M = self._validate(x)
+        if self._retired:
+            raise K3TailError(f"K3MoETail {self.prefix!r} was retired: a module of its group was rebuilt after a "
+                              f"fault; call the rebuilt modules")
+        if self.world_size == 1 or warm_only_active():  # no peers (or nothing launches): no protocol
+            M = self._validate(x)
+            plan, body = self._plan(M, self._graph_phase(gp), tr)
+            if M == 0:
+                return torch.empty(0, self.config.hidden, dtype=self.config.dtype, device=self.device)
+            return body(self._ctx, x)
+        g = self._group
+        g.seq += 1  # every call, rejected ones included: a rank that rejects call n cannot pair with n + 1
+        seq = g.seq
+        if g.fault is not None:
+            raise self._refused()
+        if g.fault_ws.poisoned():  # the device met a fault since the host last looked (GPU: asynchronous)
+            raise self._fail(g.fault_ws.error("K3MoETail", self.timeout_s, before=True), None, joined=False)
+        M = plan = None
+        try:
+            M = self._validate(x)
+            plan, body = self._plan(M, self._graph_phase(gp), tr)
+        except (ValueError, TierUnavailable) as e:
+            raise self._reject(e, M, plan) from None
+        ctx = self._ctx
+        ctx.tag = call_tag(seq, M, self._salt)
+        self._last_tier = plan.tier.name
+        if M == 0:  # nothing to exchange (every rank must agree: a peer with M > 0 times out, and this
+            return torch.empty(0, self.config.hidden, dtype=self.config.dtype, device=self.device)  # rank fails next)
+        joined = late = False
+        try:
+            if self._kind == "group" and plan.path != "tail" and not _capturing(self.device):
+                joined = True
+                late = self._header(seq, M, plan, x)
+            out = body(ctx, x)
+        except PeerFault as e:
+            raise self._fail(e, plan.tier.name, joined) from None
+        if late:  # every rank ran this call (it is exact); the group is faulted from the next call on
+            self._fail(PeerTimeout("group header", self.rank, self.world_size, self.timeout_s,
+                                   text="a peer joined the call header after the deadline"), plan.tier.name, True)
+        return out
+
+    def _graph_phase(self, gp: int) -> int:
         if gp < 0:
             gp = int(self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        body = self._plan(M, gp, tr)
-        if M == 0:
-            return torch.empty(0, self.config.hidden, dtype=self.config.dtype, device=self.device)
-        return body(self._ctx, x)
+        return gp
+
+    # --------------------------------------------------------------- the call protocol
+    def _header_vec(self, *, ok: bool, seq: int = -1, M: int = -1, path: int = -1) -> torch.Tensor:
+        """``[ok of each rank | seq, layer, M, path | their negations]``: a MIN all-reduce gives the
+        failed ranks and, per field, min == -min(-x) iff every rank has the same value."""
+        W = self.world_size
+        f = [int(seq), self._layer_id, int(M), int(path)]
+        v = torch.tensor([1] * W + f + [-x for x in f], dtype=torch.int64, device=self._ctx.coll.device)
+        if not ok:
+            v[self.rank] = 0
+        return v
+
+    def _header(self, seq: int, M: int, plan: Plan, x: TailInputs) -> bool:
+        """The group header of a call (collectives of kind ``group``); raises the fault it reveals.
+        Returns True when a peer joined late (after this rank's deadline and its fault post) but
+        before the grace ran out, having not seen the fault: then every rank runs this call (their
+        collectives stay paired: the MIN is the same everywhere) and the group is faulted after it."""
+        g, W, r = self._group, self.world_size, self.rank
+        v = self._header_vec(ok=True, seq=seq, M=M, path=_PATHS.index(plan.path))
+        word = g.fault_ws.fault_word()  # a peer gave up on us: join with ok = 0, then raise its fault
+        if word:
+            v[r] = 0
+        idx = x.expanded_idx
+        if not word and v.device.type == "cuda" and idx is not None and idx.numel():
+            # the device's index check (check_indices runs on CPU tensors only): one more tiny kernel
+            # before the header, whose result the host reads anyway
+            v[r] = ((idx.min() >= -1) & (idx.max() < x.expert_out.shape[0])).to(torch.int64)
+
+        def on_late():
+            post_abort(g.fault_ws, _CODES["timeout"], None, r)
+
+        res, late = self._ctx.coll.header(v, self.timeout_s, on_late)
+        if word:
+            raise g.fault_ws.error("K3MoETail", self.timeout_s, before=False)
+        failed = [i for i in range(W) if int(res[i]) == 0]
+        if failed and late:  # a late rank joined having seen this rank's fault post
+            raise PeerTimeout("group header", r, W, self.timeout_s, failing_rank=failed[0], detected_by=r)
+        if failed:
+            f = failed[0]
+            if f == r:
+                raise PeerRejected("group header", r, W, reason="index", failing_rank=r, detected_by=r)
+            raise PeerRejected("group header", r, W, failing_rank=f, detected_by=f,
+                               text=f"rank {f} failed this call (it rejected its inputs, or met a fault: "
+                                    f"its own error says which)")
+        diff = [name for i, name in enumerate(_HEADER_FIELDS) if int(res[W + i]) != -int(res[W + 4 + i])]
+        if diff:
+            raise PeerMismatch("group header", r, W, detail="the ranks' calls differ in: " + ", ".join(diff))
+        return late
+
+    def _refused(self) -> WorkspacePoisoned:
+        f = self._group.fault
+        first = f"{type(f).__name__}" + (f" in layer {f.layer!r}" if getattr(f, "layer", None) else "")
+        return WorkspacePoisoned("K3MoETail", self.rank, self.world_size, 0.0, layer=self.prefix,
+                                 text=f"fails at once: an earlier call of this group failed ({first})")
+
+    def _reject(self, e: Exception, M, plan) -> Exception:
+        """This rank rejects its inputs: tell the peers (the group header with ok = 0, the fault word
+        of every rank), then return the error to raise."""
+        g, W, r = self._group, self.world_size, self.rank
+        tier = plan.tier.name if plan is not None else None
+        if self._kind == "group" and not _capturing(self.device):
+            g.pending.append(self._ctx.coll.post(self._header_vec(ok=False)))
+        post_abort(g.fault_ws, _CODES["rejected"], r, r)
+        if isinstance(e, TierUnavailable):
+            err = TierUnavailable(f"{e} (rank {r} of {W}: its peers were told; the group's k3tail calls fail "
+                                  f"until k3tail.reset(group) runs on every rank)")
+        else:
+            err = InputRejected("K3MoETail", r, W, layer=self.prefix, tier=tier, failing_rank=r, detected_by=r,
+                                text=f"rejected its inputs ({e}); its peers were told")
+        g.fault = err
+        return err
+
+    def _fail(self, e: PeerFault, tier, joined: bool) -> PeerFault:
+        """A fault in a call of this rank: name the layer and tier; the first time, post it into every
+        rank's fault word (waits anywhere in the group end) and, for the group kind, join one header if
+        this call did not (every rank joins one header op per faulted call: the group stays paired)."""
+        g = self._group
+        err = e.in_call(layer=self.prefix, tier=tier)
+        work = getattr(e, "work", None)
+        if work is not None:
+            g.pending.append(work)
+        if g.fault is None:
+            g.fault = err
+            det = err.detected_by if err.detected_by is not None else self.rank
+            post_abort(g.fault_ws, _CODES.get(err.reason, 5), err.failing_rank, det)
+            if self._kind == "group" and not joined and not _capturing(self.device):
+                g.pending.append(self._ctx.coll.post(self._header_vec(ok=False)))
+        return err
+
+    def check(self) -> None:
+        """Wait for this rank's device work and raise the group's fault, if any.  On a GPU a call
+        returns before its kernels ran: a fault they meet (a peer that never arrived, another call's
+        tag, an index out of range) is raised by a later call, or here.  Call it where an engine can
+        afford a sync (e.g. after a step); the CPU (interpreter) raises from the failing call itself."""
+        if self._retired:
+            raise K3TailError(f"K3MoETail {self.prefix!r} was retired (its group was rebuilt after a fault)")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        g = self._group
+        if self.world_size == 1:
+            return
+        if g.fault is not None:
+            raise self._refused()
+        if g.faulted():
+            raise self._fail(g.fault_ws.error("K3MoETail", self.timeout_s, before=False), self._last_tier,
+                             joined=False)
+
+    def reset(self) -> None:
+        """``k3tail.reset`` of this module's group and device (collective: every rank, same point)."""
+        _recover(self._group, retire=False, timeout_s=self.timeout_s + 5.0)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_indices() -> bool:

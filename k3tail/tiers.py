@@ -95,7 +95,8 @@ class TailCaps:
     * ``multimem``: multicast was agreed; MULTIMEM_AR engages for
       ``multimem_min_tokens <= M <= multimem_max_tokens``;
     * ``large_m``: FUSED_LANE_AR's path above the lane, ``"sharded"``, ``"allreduce"`` (the default:
-      it needs nothing but the group's all-reduce) or ``""`` (none: SEPARATE_REDUCE above the lane).  The sharded path needs no P2P, so groups without ``fused_ar`` take it from
+      it needs nothing but the group's all-reduce) or ``""`` (none: SEPARATE_REDUCE above the lane).  The
+      sharded path needs no P2P, so groups without ``fused_ar`` take it from
       ``large_m_min_tokens`` (``k3tail tune`` learns that crossover against SEPARATE_REDUCE);
     * ``solo``: a world of one; FUSED_LANE_AR is one local launch at every M (the lane fields are
       then unused).
@@ -154,7 +155,8 @@ def decide(agreed: Dict[str, int], *, world_size: int, large_m: str = "sharded",
 
     peers = (("p2p", "functional P2P failed on some rank"), ("peer_reach", "peers unreachable (no fabric handles)"))
     tail_ok = need(Tier.TAIL_FUSION, ("latent_tail_env", "K3TAIL_DISABLE_LATENT_TAIL=1 on some rank"),
-                   ("dtype_ok", "dtype is not bf16/fp16"), ("hidden_div_w", "hidden is not a multiple of 8*W"),
+                   ("dtype_ok", "dtype is not bf16/fp16"),
+                   ("hidden_ge_w", "hidden < W: some rank would own no output columns"),
                    *peers, ("tail_max_tokens", "tail capacity is 0"))
     lane_ok = need(Tier.FUSED_LANE_AR, ("fused_ar_env", "K3TAIL_DISABLE_FUSED_AR=1 on some rank"),
                    ("dtype_ok", "dtype is not bf16/fp16"), *peers, ("lane_max_tokens", "lane capacity is 0"))
@@ -310,6 +312,8 @@ class TierContext:
     multimem: object = None
     cute: object = None
     side_stream: Optional[torch.cuda.Stream] = None
+    tag: int = 0                           # the current call's tag (k3tail.ops.fault.call_tag), set per call
+    status: Optional[torch.Tensor] = None  # int32 [1]: set by a finalize that met an index out of range
 
     @property
     def own_cols(self) -> slice:
@@ -323,7 +327,7 @@ class TierContext:
 def _routed_partial(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     """This rank's routed partial ``[M, L]`` fp32 (Triton finalize, ``numerics.routed_partial``'s bits)."""
     c = ctx.config
-    flat = finalize_to_shards(scale=c.routed_scale, bounds=[0, c.latent], **x.routed_kwargs())
+    flat = finalize_to_shards(scale=c.routed_scale, bounds=[0, c.latent], status=ctx.status, **x.routed_kwargs())
     return flat.view(-1, c.latent)
 
 
@@ -339,7 +343,7 @@ def _finish(ctx: TierContext, normed, shared_sum, x: TailInputs) -> torch.Tensor
     cols = ctx.own_cols
     y = ctx.project.run(normed, x.up_weight, prefix_hidden=prefix[:, cols], shared_sum=shared_sum[:, cols],
                         out_dtype=c.dtype)
-    return ctx.coll.all_gather_cols(y, ctx.bounds_hidden)
+    return ctx.coll.all_gather_cols(y, ctx.bounds_hidden, tag=ctx.tag)
 
 
 def run_separate(ctx: TierContext, x: TailInputs) -> torch.Tensor:
@@ -347,7 +351,7 @@ def run_separate(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     coll, side = ctx.coll, ctx.side_stream
 
     def routed_branch():
-        s = coll.all_reduce_sum(_routed_partial(ctx, x), fp64=True)
+        s = coll.all_reduce_sum(_routed_partial(ctx, x), fp64=True, tag=ctx.tag, status=ctx.status)
         return _rmsnorm(ctx, s, x.norm_weight)
 
     if side is not None:  # CUDA process groups: the routed branch overlaps the shared branch
@@ -355,31 +359,32 @@ def run_separate(ctx: TierContext, x: TailInputs) -> torch.Tensor:
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             normed = routed_branch()
-        shared_sum = coll.all_reduce_sum(x.shared, fp64=False)
+        shared_sum = coll.all_reduce_sum(x.shared, fp64=False, tag=ctx.tag)
         cur.wait_stream(side)
         normed.record_stream(cur)
     else:
         normed = routed_branch()
-        shared_sum = coll.all_reduce_sum(x.shared, fp64=False)
+        shared_sum = coll.all_reduce_sum(x.shared, fp64=False, tag=ctx.tag)
     return _finish(ctx, normed, shared_sum, x)
 
 
 def run_lane(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     """The Lamport lane collective (finalize + all-reduce + RMSNorm in one launch), projection."""
-    normed, shared_sum = ctx.lane.run(norm_weight=x.norm_weight, shared=x.shared, **x.routed_kwargs())
+    normed, shared_sum = ctx.lane.run(norm_weight=x.norm_weight, shared=x.shared, tag=ctx.tag, **x.routed_kwargs())
     return _finish(ctx, normed, shared_sum, x)
 
 
 def run_solo(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     """A world of one: the fused finalize + RMSNorm (one launch, any M), then the projection with the
     shared partial as it is (its sum over one rank is exact: no fp32 copy)."""
-    normed = ctx.solo.run(norm_weight=x.norm_weight, **x.routed_kwargs())
+    normed = ctx.solo.run(norm_weight=x.norm_weight, tag=ctx.tag, **x.routed_kwargs())
     return _finish(ctx, normed, x.shared, x)
 
 
 def run_allreduce(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     """The large-M path before the sharded one: one fp64 all-reduce of the lane, norm, projection."""
-    s, shared_sum = ctx.coll.all_reduce_sums([_routed_partial(ctx, x), x.shared], fp64=True)
+    s, shared_sum = ctx.coll.all_reduce_sums([_routed_partial(ctx, x), x.shared], fp64=True, tag=ctx.tag,
+                                             status=ctx.status)
     return _finish(ctx, _rmsnorm(ctx, s, x.norm_weight), shared_sum, x)
 
 
@@ -392,23 +397,23 @@ def run_sharded(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     l0, l1, h0, h1 = bl[r], bl[r + 1], bh[r], bh[r + 1]
     # 1. finalize (and pack the shared partial) straight into the send layouts
     finalize_to_shards(scale=c.routed_scale, bounds=bl, out=X.area("routed", torch.float32, M * c.latent),
-                       **x.routed_kwargs())
+                       status=ctx.status, **x.routed_kwargs())
     X.put("shared", x.shared, bh)
-    X.publish()
+    X.publish(tag=ctx.tag, status=ctx.status)  # the finalize's index status travels with the first exchange
     # 2-3. the own shards, summed in rank order; the own shard's fp64 sum of squares
     x32, ss = X.reduce_shards("routed", M=M, bounds=bl, dtype=torch.float32, sumsq=True)
     shared_sum, _ = X.reduce_shards("shared", M=M, bounds=bh, dtype=dt, sumsq=False)
     X.put("stats", ss.view(M, 1))
-    X.publish()
+    X.publish(tag=ctx.tag)
     stats = X.gather("stats", M=M, bounds=list(range(W + 1)), dtype=torch.float64)
     normalize_shard(x32, stats, x.norm_weight[l0:l1], eps=c.eps, width=c.latent, dtype=dt,
                     out=X.area("normed", dt, M * (l1 - l0)).view(M, l1 - l0))
-    X.publish()
+    X.publish(tag=ctx.tag)
     # 4. the normed latent, then 5. the own output columns
     normed = X.gather("normed", M=M, bounds=bl, dtype=dt)
     ctx.project(normed, ctx.own_rows(x.up_weight), prefix_hidden=prefix[:, h0:h1], shared_sum=shared_sum, out_dtype=dt,
                 out=X.area("out", dt, M * (h1 - h0)).view(M, h1 - h0))
-    X.publish()
+    X.publish(tag=ctx.tag)
     out = X.gather("out", M=M, bounds=bh, dtype=dt)
     X.end_call()
     return out
@@ -416,7 +421,7 @@ def run_sharded(ctx: TierContext, x: TailInputs) -> torch.Tensor:
 
 def run_tail(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     return ctx.tail.run(prefix_hidden=x.prefix_hidden, shared=x.shared, norm_weight=x.norm_weight,
-                        up_weight=ctx.own_rows(x.up_weight), **x.routed_kwargs())
+                        up_weight=ctx.own_rows(x.up_weight), tag=ctx.tag, **x.routed_kwargs())
 
 
 def run_multimem(ctx: TierContext, x: TailInputs) -> torch.Tensor:
@@ -436,7 +441,7 @@ def run_cute(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     partial = x.shared.float()
     partial[:, cols] = ctx.project(normed, ctx.own_rows(x.up_weight), shared_sum=partial[:, cols].contiguous(),
                                    out_dtype=torch.float32)
-    total = ctx.coll.all_reduce_sum(partial, fp64=False)
+    total = ctx.coll.all_reduce_sum(partial, fp64=False, tag=ctx.tag)
     return (x.prefix_hidden.float() + total).to(ctx.config.dtype)
 
 

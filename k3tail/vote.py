@@ -8,7 +8,9 @@ why not) is :func:`k3tail.tiers.decide`, a pure function of it, identical on eve
 Probes (each local; the P2P probe exchanges data through a probe workspace, see below):
 
 * platform and SM: CUDA or CPU (interpreter), SM major.minor, SM100 family (10.x);
-* dtype and shapes: bf16/fp16, ``hidden % W == 0`` (the up-projection shards by rows);
+* dtype and shapes: bf16/fp16; ``hidden >= W`` (every rank owns output columns: TAIL_FUSION's
+  shards are uneven where W does not divide ``hidden``, ``k3tail.ops.prefill.shard_bounds``);
+  ``hidden % (8 W) == 0`` (CUTE_FINALIZE's flashinfer layout only);
 * env switches: ``K3TAIL_DISABLE_LATENT_TAIL=1`` turns TAIL_FUSION off as an eligibility
   failure (the vote and the tier map behave as on hardware that lacks it);
   ``K3TAIL_DISABLE_FUSED_AR=1`` turns the Lamport lane collective off (FUSED_LANE_AR);
@@ -54,6 +56,7 @@ VOTE_FIELDS: Tuple[str, ...] = (
     "latent_tail_env", "fused_ar_env", "pdl",
     "p2p", "peer_reach", "multicast", "symm_mem", "flashinfer_cute",
     "tail_max_tokens", "lane_max_tokens", "cute_max_tokens", "multimem_max_tokens",
+    "hidden_ge_w",
 )
 
 
@@ -122,6 +125,9 @@ def local_probes(config, comm: Comm, device: torch.device, *, group=None, lane_m
     v["hidden_div_w"] = int(config.hidden % W == 0 and (config.hidden // W) % 8 == 0)
     if not v["hidden_div_w"]:
         why["hidden_div_w"] = f"hidden {config.hidden} is not a multiple of 8*W (W={W})"
+    v["hidden_ge_w"] = int(config.hidden >= W)
+    if not v["hidden_ge_w"]:
+        why["hidden_ge_w"] = f"hidden {config.hidden} < W={W}: some rank would own no output columns"
     v["latent_tail_env"] = int(not env_on(ENV_DISABLE_LATENT_TAIL, env))
     if not v["latent_tail_env"]:
         why["latent_tail_env"] = f"{ENV_DISABLE_LATENT_TAIL}=1"

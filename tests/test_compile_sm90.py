@@ -115,6 +115,8 @@ def _rank_records(rank, W):
                 norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
                 up_weight=T.randn((H // W, Lt), torch.bfloat16, 9), expert_out=eo, expert_weights=w,
                 expanded_idx=idx)
+        from k3tail.ops.fault import post_abort  # the abort path (issue 20), on a throwaway workspace
+        post_abort(k3tail.OneShotAllReduce(max_tokens=1, width=8).ws, 5, None, rank)
     finally:
         L.set_observer(prev)
     return list(_RECORDS)

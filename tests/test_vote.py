@@ -111,8 +111,10 @@ def test_caps_from():
     assert caps.multimem and caps.multimem_min_tokens == 256
     caps, why = caps_from(_agreed(multicast=1, fused_ar_env=0))
     assert not caps.multimem and not caps.fused_ar and caps.tail_fusion_max_tokens == 16
-    caps, why = caps_from(_agreed(hidden_div_w=0))
+    caps, why = caps_from(_agreed(hidden_ge_w=0))  # (issue 20: any W up to hidden; uneven shards)
     assert caps.tail_fusion_max_tokens == 0 and caps.fused_ar
+    caps, why = caps_from(_agreed(hidden_div_w=0))  # W not dividing hidden: only CUTE_FINALIZE's layout needs it
+    assert caps.tail_fusion_max_tokens == 16 and Tier.CUTE_FINALIZE in why
     assert Tier.FUSED_LANE_AR not in caps_from(_agreed(p2p=0), large_m="sharded")[1]  # the sharded path needs no P2P
     assert Tier.FUSED_LANE_AR in caps_from(_agreed(p2p=0))[1]
     solo, why = caps_from(_agreed(), world_size=1)
@@ -139,5 +141,6 @@ def test_doctor_env_switch(monkeypatch):
     monkeypatch.setenv("K3TAIL_DISABLE_LATENT_TAIL", "1")
     text = report(hidden=96, latent=32, top_k=4, world_size=3)
     assert "TAIL_FUSION      NOT possible: K3TAIL_DISABLE_LATENT_TAIL=1" in text
-    text = report(hidden=100 * 8, latent=32, top_k=4, world_size=3)
-    assert "hidden is not a multiple of 8*W" in text
+    monkeypatch.delenv("K3TAIL_DISABLE_LATENT_TAIL")
+    text = report(hidden=100 * 8, latent=32, top_k=4, world_size=3)  # uneven shards since issue 20
+    assert "TAIL_FUSION      possible" in text

@@ -5,25 +5,33 @@ readiness is signalled separately by per-source epoch flags.  Host side: ``k3tai
 
 Buffers (per rank, identical layout; ``table[d]`` = base of rank d's region)::
 
-    flag[W]        int32 epochs, at offset 0 of the region; flag[s] of rank d is written only by
-                   rank s (atomic, release), read only by rank d (volatile polls, then acquire)
+    flag[W]        int64 ``(tag << 32) | epoch``, at offset 0 of the region; flag[s] of rank d is
+                   written only by rank s (atomic, release), read only by rank d (volatile polls,
+                   then acquire)
     area_0 ...     named data areas, 256-byte aligned; area X of rank o is written only by rank o
                    (ordinary kernels on o's stream) and read by every rank (gather_cols_kernel)
 
-Control block (local, ``lamport.py``): ``ctrl[CTRL_EPOCH]`` is this rank's barrier epoch, a
+Control block (``lamport.py``): ``ctrl[CTRL_EPOCH]`` is this rank's barrier epoch, a
 device-side counter (a CUDA-graph replay advances it; a host counter would freeze at capture);
-``ctrl[1]`` is the poison flag.
+the fault word is in the fault block (``fault_ptr``; the group's, for a K3MoETail).
 
-barrier_kernel (one program).  ``e = ++ctrl[CTRL_EPOCH]``; store ``e`` into ``flag[rank]`` of every
-rank (``atomic_xchg``, sem release, scope sys: the writes of the earlier kernels of this stream are
-complete at the kernel boundary and are ordered before the flag by the release); then poll the
-*local* ``flag[0..W-1]`` with volatile loads until every one has reached ``e``, compared by the
-wrap-safe signed difference ``flag - e >= 0`` (a peer may already be one epoch ahead: it passed
-barrier e, which needed our flag e, and stored e+1; it cannot be two ahead, since barrier e+1
-needs our e+1), then an acquire read-modify-write (``atomic_add 0``) of the flags orders the
-reads of the following kernels after the peers' releases.  A peer's memory is never polled.  The
-wait is bounded: past ``timeout_ns`` (global timer; the clock page under the interpreter) or on a
-poisoned workspace it poisons the workspace (``lamport.poison``) and exits; the host raises.
+barrier_kernel (one program).  ``e = ++ctrl[CTRL_EPOCH]``; store ``(tag << 32) | e`` into
+``flag[rank]`` of every rank (``atomic_xchg``, sem release, scope sys: the writes of the earlier
+kernels of this stream are complete at the kernel boundary and are ordered before the flag by the
+release); then poll the *local* ``flag[0..W-1]`` with volatile loads until every epoch has reached
+``e``, compared by the wrap-safe signed difference ``flag - e >= 0`` (a peer may already be one
+epoch ahead: it passed barrier e, which needed our flag e, and stored e+1; it cannot be two ahead,
+since barrier e+1 needs our e+1), then an acquire read-modify-write (``atomic_add 0``) of the
+flags orders the reads of the following kernels after the peers' releases.  A peer's memory is
+never polled.  The wait is bounded: past ``timeout_ns`` (global timer; the clock page under the
+interpreter) the rank posts a TIMEOUT record naming the first peer behind; when the fault word is
+set it exits (``lamport.py``); the host raises.
+
+One call, one pairing: the flag carries the caller's call tag next to the epoch.  Every peer whose
+flag holds exactly epoch ``e`` must hold this rank's tag (another tag: a MISMATCH fault); a peer
+already at ``e + 1`` passed barrier ``e`` itself and compared our tag there, so every pair of ranks
+is compared by at least one of them.  A rank whose ``status`` word is non-zero (the large-M
+finalize met an index out of range) posts an INDEX fault instead of arriving.
 
 gather_cols_kernel.  For every source s, copy s's row-major block ``[M, n_s]`` (``n_s =
 bounds[s+1] - bounds[s]``) at the start of its area into ``out[:, bounds[s]:bounds[s+1]]`` with
@@ -64,7 +72,7 @@ Torch twins: ``k3tail.exchange.reference_gather_cols`` (the gather); the barrier
 import triton
 import triton.language as tl
 
-from .lamport import is_poisoned, now_ns, peer_ptr, poison
+from .lamport import NO_RANK_C, check_start, fault_record, is_poisoned, note_fault, now_ns, peer_ptr, post_fault
 
 CTRL_EPOCH = 4  # lamport.CTRL_USER: this rank's barrier epoch
 
@@ -78,36 +86,54 @@ def area_ptr(table_ptr, rank, DTYPE: tl.constexpr):
     return tl.multiple_of(tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE)), 16)
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns"])
-def barrier_kernel(table_ptr, ctrl_ptr, host_flag_ptr, clock_ptr, rank, timeout_ns,
-                   W: tl.constexpr, W_P2: tl.constexpr, CTRL_EPOCH_: tl.constexpr,
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "tag"])
+def barrier_kernel(table_ptr, ctrl_ptr, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr, status_ptr, rank, timeout_ns,
+                   tag, W: tl.constexpr, W_P2: tl.constexpr, CTRL_EPOCH_: tl.constexpr,
                    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are complete and visible
-    if not is_poisoned(ctrl_ptr):
+    go = check_start(fault_ptr, host_flag_ptr)
+    if go:
+        if tl.load(status_ptr) != 0:  # the finalize before this barrier met an index out of range
+            post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
+            go = False
+    if go:
         deadline = now_ns(clock_ptr, USE_GLOBALTIMER) + timeout_ns
         epoch = tl.load(ctrl_ptr + CTRL_EPOCH_, volatile=True) + 1
         tl.store(ctrl_ptr + CTRL_EPOCH_, epoch)
+        word = (tag.to(tl.int64) << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF)
         for d in tl.static_range(W):  # arrive: flag[rank] of every rank (release: our writes first)
-            tl.atomic_xchg(peer_ptr(table_ptr, d, tl.int32) + rank, epoch, sem="release", scope="sys")
+            tl.atomic_xchg(peer_ptr(table_ptr, d, tl.int64) + rank, word, sem="release", scope="sys")
         srcs = tl.arange(0, W_P2)
         smask = srcs < W
-        mine = peer_ptr(table_ptr, rank, tl.int32) + srcs  # the local flags only
-        # The loop carries only a scalar (TRITON_NOTES 1); signed difference: wrap-safe.
-        state = 1  # 1 pending, 0 passed, -1 gave up
-        while state > 0:
+        mine = peer_ptr(table_ptr, rank, tl.int64) + srcs  # the local flags only
+        # The loop carries only a scalar (TRITON_NOTES 1); signed 32-bit difference: wrap-safe.
+        state = 3  # 3 pending, 0 passed, 1 deadline, 2 fault word set
+        while state > 2:
             v = tl.load(mine, mask=smask, other=0, volatile=True)
-            behind = tl.sum(((v - epoch < 0) & smask).to(tl.int32))
-            dead = is_poisoned(ctrl_ptr) | (now_ns(clock_ptr, USE_GLOBALTIMER) > deadline)
-            state = tl.where(behind == 0, 0, tl.where(dead, -1, 1))
-        if state < 0:
-            poison(ctrl_ptr, host_flag_ptr)
-        else:
+            behind = tl.sum(((v.to(tl.int32) - epoch < 0) & smask).to(tl.int32))
+            late = now_ns(clock_ptr, USE_GLOBALTIMER) > deadline
+            state = tl.where(behind == 0, 0, tl.where(is_poisoned(fault_ptr), 2, tl.where(late, 1, 3)))
+        if state == 0:
             tl.atomic_add(mine, 0, mask=smask, sem="acquire", scope="sys")  # peers' releases -> our reads
+            v = tl.load(mine, mask=smask, other=0, volatile=True)
+            lo = v.to(tl.int32)
+            hi = (v >> 32).to(tl.int32)
+            wrong = smask & (lo == epoch) & (hi != tag)
+            bad = tl.min(tl.where(wrong, srcs, NO_RANK_C))
+            if bad < NO_RANK_C:
+                got = tl.max(tl.where(srcs == bad, hi, -1))
+                post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(2, bad, rank), tag, got, W)
+        elif state == 1:
+            v = tl.load(mine, mask=smask, other=0, volatile=True)
+            late_src = tl.min(tl.where(smask & (v.to(tl.int32) - epoch < 0), srcs, NO_RANK_C))
+            post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(1, late_src, rank), tag, -1, W)
+        else:
+            note_fault(host_flag_ptr)
 
 
 @triton.jit(do_not_specialize=["M", "out_stride"])
-def gather_cols_kernel(out_ptr, table_ptr, bounds_ptr, ctrl_ptr, M, out_stride,
+def gather_cols_kernel(out_ptr, table_ptr, bounds_ptr, fault_ptr, M, out_stride,
                        W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        ALIGN: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[:, bounds[s]:bounds[s+1]] = area_s[M, n_s]`` for every source s; ``table_ptr`` is
@@ -120,7 +146,7 @@ def gather_cols_kernel(out_ptr, table_ptr, bounds_ptr, ctrl_ptr, M, out_stride,
     DTYPE = out_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    if not is_poisoned(ctrl_ptr):
+    if not is_poisoned(fault_ptr):
         row_tiles = tl.cdiv(M, BLOCK_M)
         # ALIGN divides the stride (host): say so by arithmetic, exact here.  ``tl.multiple_of``
         # on a scalar kernel argument is dropped (it has no defining op to carry the hint).

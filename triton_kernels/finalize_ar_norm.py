@@ -13,9 +13,11 @@ Buffers (per rank, identical layout; ``lamport.py`` states the slot protocol)::
 
     R32  slots32[stage][src][token][WIDTH]        fp32, NUM_STAGES x W x MAX_TOKENS x WIDTH
     R16  slots16[stage][src][token][WIDTH + SH]   16-bit, right after R32 (byte offset OFF16)
+    TAGS tags[stage][src][token][TAG_STRIDE]      int32 at byte TAG_OFF: the call tag of each chunk
+                                                  (routed chunk c at c, shared chunk c at CHUNKS + c)
     scratch[token][WIDTH]                         fp32, local to the rank (not symmetric)
 
-R32 is armed with the 32-bit sentinel (``arm32`` at workspace creation), R16 with the
+R32 and TAGS are armed with the 32-bit sentinel (``arm32`` at workspace creation), R16 with the
 16-bit one.  The routed partial travels in R32 whenever it is not exactly a 16-bit input
 (finalize result, ``scale != 1``, shared added before the reduce): rounding it to 16 bits
 before the sum would break the one-rounding contract (DESIGN §1).  A plain 16-bit routed
@@ -34,13 +36,17 @@ routed row (and of the lane's shared row).  For its item the program
    ``sum_{k ascending} w[t,k] * expert_out[idx[t,k]]``, slots with idx == -1 are masked so
    their row is never loaded; times ``scale``; plus ``shared`` for the standalone op),
    canonicalizes -0.0 and stores it into slot ``(stage, rank, t)`` of every rank (itself
-   included); the lane's shared chunks likewise into R16;
+   included), and the call's tag into the chunk's tag slot; the lane's shared chunks likewise
+   into R16.  With the triple it first checks token t's ``expanded_idx`` row against the rows of
+   ``expert_out`` (``lamport.idx_in_range``): an index out of range is never read; the rank posts
+   an INDEX fault and publishes nothing for the item;
 2. *reduces*: for each of its chunks polls its local slots of all W sources ([W_P2, BLOCK]
-   tile, bounded wait), sums them in rank order in fp64 (+ residual) and rounds once to
+   tile) and their W tag slots in one bounded wait, checks every tag against its own (another
+   call's tag: a MISMATCH fault, nothing is summed), sums them in rank order in fp64 (+ residual) and rounds once to
    fp32, stores the fp32 sum into the scratch row, accumulates the fp64 sum of squares,
    writes ``residual_out`` (rounded once) and re-arms the slots it read (``lamport.rearm``:
    a CTA barrier first, so no thread of the CTA clears an element another thread has not
-   read yet); the lane's shared chunks are summed the same way and written to
+   read yet) and the tag slots; the lane's shared chunks are summed the same way and written to
    ``shared_sum`` (fp32);
 3. *normalizes*.  G = 1: the program has the whole row; ``rstd = numerics.rms_rstd(ssq)``
    (IEEE fp64), then ``round(scratch * rstd * gamma)`` in tiles of NORM_BLOCK columns (the
@@ -73,14 +79,19 @@ peers' program p publishes (same item order on every rank) before it waits itsel
 running the programs of one launch one after another (the interpreter) cannot deadlock;
 the arrival counter is never waited on.
 
-Bounded waits: a wait that passes its deadline poisons the workspace; the program then
-skips the rest of its work (outputs of that call are undefined; the host raises).
+Bounded waits and faults (``lamport.py``): a wait that passes its deadline posts a TIMEOUT
+record (naming the first source still armed) into every rank's fault word; a wait also ends
+when the fault word is set.  The program then skips the rest of its work (outputs of that call
+are undefined; the host raises on every rank).  Tag slots rotate with their stage and are
+re-armed by their only reader, exactly as the data slots, so the stage argument covers them.
+World size 1 has no fault word: an index out of range there is skipped (never read).
 """
 
 import triton
 import triton.language as tl
 
-from .lamport import (canonicalize, finish_launch, is_poisoned, now_ns, rearm, round_to, wait_ready)
+from .lamport import (NO_RANK_C, arm, canonicalize, check_start, fault_record, finish_launch, first_armed_src,
+                      idx_in_range, now_ns, post_fault, rearm, round_to, settle, wait_slots)
 from .numerics import rank_sum64, rms_rstd, routed32, sq64
 
 
@@ -103,6 +114,14 @@ def _publish(table_ptr, off, x, cmask, W: tl.constexpr):
     for d in tl.static_range(W):
         peer = tl.load(table_ptr + d).to(tl.pointer_type(x.dtype))
         tl.store(peer + off, x, mask=cmask)
+
+
+@triton.jit
+def _publish_tag(table_ptr, TAG_OFF: tl.constexpr, off, tag, W: tl.constexpr):
+    """Store the call tag into tag slot ``off`` (int32 elements from TAG_OFF) of every rank."""
+    for d in tl.static_range(W):
+        peer = (tl.load(table_ptr + d) + TAG_OFF).to(tl.pointer_type(tl.int32))
+        tl.store(peer + off, tag)
 
 
 @triton.jit
@@ -143,15 +162,28 @@ def _normalize_row(t64, rstd, scratch_ptr, gamma_ptr, normed_ptr, WIDTH: tl.cons
         _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
 
 
-@triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "G"])
+@triton.jit
+def _wait(rows, rmask, tptrs, tmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr, deadline, rank,
+          W: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+    """Poll one chunk's W slot rows and tag slots; 1 when every source arrived with this call's
+    tag, else 0 (the fault is posted or mirrored: ``lamport.settle``)."""
+    state = wait_slots(rows, rmask, tptrs, tmask, tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
+    missing = rank * 0 + NO_RANK_C
+    if state == 1:
+        missing = first_armed_src(rows, rmask, tptrs, tmask)
+    return settle(state, tptrs, tmask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "G", "tag", "R"])
 def finalize_ar_norm_kernel(
     routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr, residual_ptr, gamma_ptr,
     normed_ptr, resout_ptr, shsum_ptr, scratch_ptr, sq_ptr, cnt_ptr,
-    table_ptr, ctrl_ptr, host_flag_ptr, clock_ptr,
-    rank, M, timeout_ns, G, scale, eps,
+    table_ptr, ctrl_ptr, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr,
+    rank, M, timeout_ns, G, tag, R, scale, eps,
     WIDTH: tl.constexpr, SH: tl.constexpr, MAX_TOKENS: tl.constexpr,
     W: tl.constexpr, W_P2: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr, SQ_STRIDE: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    TAG_OFF: tl.constexpr, TAG_STRIDE: tl.constexpr,
     FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, SHARED_ADD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SLOT32: tl.constexpr,
     USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr,
@@ -169,6 +201,7 @@ def finalize_ar_norm_kernel(
     OFF16: tl.constexpr = NUM_STAGES * STAGE32 * 2     # R16 start, in 16-bit elements
     offs = tl.arange(0, BLOCK)
     srcs = tl.arange(0, W_P2)
+    wmask = srcs < W
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes (and its stage bump) are visible
     deadline = 0
@@ -178,9 +211,10 @@ def finalize_ar_norm_kernel(
         stage = tl.load(ctrl_ptr + 0, volatile=True)
         my32 = tl.load(table_ptr + rank).to(tl.pointer_type(tl.float32))
         my16 = tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE)) + OFF16
+        my_tags = (tl.load(table_ptr + rank) + TAG_OFF).to(tl.pointer_type(tl.int32))
     go = True
     if W > 1:
-        go = not is_poisoned(ctrl_ptr)
+        go = check_start(fault_ptr, host_flag_ptr)
     if go:
         item = pid
         while item < M * G:
@@ -189,12 +223,18 @@ def finalize_ar_norm_kernel(
             t64 = t.to(tl.int64)
             ssq = tl.zeros([BLOCK], dtype=tl.float64)  # fp64 statistic (numerics.py)
             keep = tl.zeros([BLOCK], dtype=tl.float32)  # the row sum when it fits one chunk
-            ok = 1
+            ok = rank * 0 + 1
+            if FINALIZE:
+                # an index out of range is never dereferenced: post INDEX (W > 1), skip the item
+                if not idx_in_range(idx_ptr, t64, R, TOP_K):
+                    ok = rank * 0
+                    if W > 1:
+                        post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
             if W == 1:
                 # ---- no communication: partial (+ residual) straight into scratch
                 for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
-                    if c < CHUNKS:
+                    if (c < CHUNKS) & (ok != 0):
                         col = c * BLOCK + offs
                         cmask = col < WIDTH
                         s = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
@@ -206,16 +246,18 @@ def finalize_ar_norm_kernel(
                             keep = s
                 for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
-                    if c < CHUNKS_SH:
+                    if (c < CHUNKS_SH) & (ok != 0):
                         col = c * BLOCK + offs
                         cmask = col < SH
                         v = tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0).to(tl.float32)
                         tl.store(shsum_ptr + t64 * SH + col, v, mask=cmask)
             else:
-                # ---- phase 1: publish this rank's partial into slot (stage, rank, t) of every rank
+                # ---- phase 1: publish this rank's partial into slot (stage, rank, t) of every rank,
+                #      and the call tag into tag slot (stage, rank, t, chunk)
+                tag_row = ((stage * W + rank) * MAX_TOKENS + t64) * TAG_STRIDE
                 for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
-                    if c < CHUNKS:
+                    if (c < CHUNKS) & (ok != 0):
                         col = c * BLOCK + offs
                         cmask = col < WIDTH
                         x = _partial_chunk(t, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, shared_ptr,
@@ -226,14 +268,19 @@ def finalize_ar_norm_kernel(
                         else:  # exact: x is a 16-bit input (scale 1)
                             _publish(table_ptr, OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + col,
                                      canonicalize(x.to(DTYPE)), cmask, W)
+                        _publish_tag(table_ptr, TAG_OFF, tag_row + c, tag, W)
                 for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
-                    if c < CHUNKS_SH:
+                    if (c < CHUNKS_SH) & (ok != 0):
                         col = c * BLOCK + offs
                         cmask = col < SH
                         x16 = canonicalize(tl.load(shared_ptr + t64 * SH + col, mask=cmask, other=0.0))
                         _publish(table_ptr, OFF16 + stage * STAGE16 + rank * SLOT16_SRC + t64 * ROW16 + WIDTH + col,
                                  x16, cmask, W)
+                        _publish_tag(table_ptr, TAG_OFF, tag_row + CHUNKS + c, tag, W)
+                # ---- phase 2: poll local slots with their tags, check the tags, rank-order fp64
+                #      sum -> fp32, scratch, re-arm (slots and tags)
+                tag_rows = ((stage * W + srcs) * MAX_TOKENS + t64) * TAG_STRIDE
                 # ---- phase 2: poll local slots, rank-order fp64 sum -> fp32, scratch, re-arm
                 for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
@@ -245,9 +292,10 @@ def finalize_ar_norm_kernel(
                             rows = my32 + stage * STAGE32 + srcs[:, None] * SLOT32_SRC + t64 * WIDTH + col[None, :]
                         else:
                             rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + col[None, :]
+                        tptrs = my_tags + tag_rows + c
                         if ok:
-                            ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
-                                            USE_GLOBALTIMER).to(tl.int32)
+                            ok = _wait(rows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr,
+                                       deadline, rank, W, USE_GLOBALTIMER)
                         if ok:
                             if SLOT32:
                                 s = rank_sum64(my32 + stage * STAGE32 + t64 * WIDTH + col, SLOT32_SRC, cmask, W)
@@ -262,6 +310,7 @@ def finalize_ar_norm_kernel(
                                 rearm(rows, rmask, tl.float32)  # CTA barrier first (lamport.rearm)
                             else:
                                 rearm(rows, rmask, DTYPE)
+                            arm(tptrs, wmask, tl.int32)  # (after the same barrier)
                 for j in range(CHUNKS_SH):  # chunks g, g + G, ... (G is a runtime value)
                     c = g + j * G
                     if c < CHUNKS_SH:
@@ -269,14 +318,16 @@ def finalize_ar_norm_kernel(
                         cmask = col < SH
                         rmask = (srcs[:, None] < W) & cmask[None, :]
                         rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + WIDTH + col[None, :]
+                        tptrs = my_tags + tag_rows + CHUNKS + c
                         if ok:
-                            ok = wait_ready(rows, rmask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
-                                            USE_GLOBALTIMER).to(tl.int32)
+                            ok = _wait(rows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr,
+                                       deadline, rank, W, USE_GLOBALTIMER)
                         if ok:
                             v = rank_sum64(my16 + stage * STAGE16 + t64 * ROW16 + WIDTH + col, SLOT16_SRC,
                                            cmask, W)
                             tl.store(shsum_ptr + t64 * SH + col, v.to(tl.float32), mask=cmask)
                             rearm(rows, rmask, DTYPE)
+                            arm(tptrs, wmask, tl.int32)
             # ---- phase 3: RMSNorm of row t from its fp32 scratch row
             tl.debug_barrier()  # every thread's scratch stores precede what follows
             if ok:

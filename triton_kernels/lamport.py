@@ -9,7 +9,8 @@ one consumer (the owner of the region).
 
 Sentinel.  A slot element is *armed* when it holds the bit pattern of -0.0 of the slot's
 type: 0x8000 for bf16/fp16 slots, 0x80000000 for fp32 slots (fp32 payloads carry partial
-sums that the rounding contract forbids rounding to 16 bits before they are added).  Real data never equals the sentinel because every writer
+sums that the rounding contract forbids rounding to 16 bits before they are added).  Real data
+never equals the sentinel because every writer
 *canonicalizes* -0.0 to +0.0 before it stores (:func:`canonicalize`).  Comparisons are
 made on the integer bits, never on floats (-0.0 == +0.0 as floats).
 
@@ -41,17 +42,45 @@ TAIL_FUSION chain) state theirs in their own docstring.
 Bounded waits.  Every poll carries a deadline.  On the GPU the clock is the device
 global timer (ns).  Under the Triton interpreter (``TRITON_INTERPRET=1``) inline asm is
 unavailable, so the clock is a *clock page*: an int64 that a host thread of the process
-refreshes with ``time.monotonic_ns()`` (see ``k3tail._clock``).  A poll that passes its
-deadline sets the poison flag of the local control block (and of its host mirror) and
-gives up; every later poll and every later launch sees the flag and exits at once, so a
-poisoned workspace never hangs a rank.  The host raises ``PeerTimeout``.
+refreshes with ``time.monotonic_ns()`` (see ``k3tail.runtime.clock``).  A poll also exits
+when the *fault word* is set (below), so one rank's failure ends every rank's waits.
 
-Control block (int32, local to each rank, never touched by peers)::
+Call tags (one call, one pairing; DESIGN §9).  Every launch that publishes into Lamport slots
+carries the caller's *call tag*, a non-negative int32 that is the same on every rank for the
+same call and differs between calls (``k3tail.ops.fault.call_tag``: the group's call sequence
+number, the layer and M; a CUDA graph captures it as a constant, and every rank captures the
+same).  Producers publish it in a 32-bit *tag slot* next to each fragment they publish (armed
+with the 32-bit sentinel like fp32 slots; a tag is >= 0, so it never equals the sentinel);
+the fragment's consumer polls the tag slot together with the data (one loop, no extra round
+trip), compares it with its own tag before it uses the data and re-arms it with the data.  A
+peer whose call is not this call (it skipped or rejected a call, or called with another M or
+from another layer) publishes another tag: the consumer raises a MISMATCH fault instead of
+summing two calls.
 
-    [CTRL_STAGE]   stage counter, advanced by the last program of each launch
-    [CTRL_POISON]  0 = healthy, 1 = a wait timed out
-    [CTRL_DONE]    programs of the current launch that finished (last one resets it)
-    [CTRL_USER..]  per-op state (e.g. rows used per stage for deferred re-arm)
+Fault word and fault record.  Word ``CTRL_POISON`` of a *fault block* (int32
+``[CTRL_WORDS]``) is the fault word: 0 while healthy, else a packed fault record
+(:func:`fault_record`: reason code, failing rank, detecting rank).  Fault blocks live in the
+symmetric regions, so a peer can write them: ``ftab[d]`` is rank d's fault block.  A
+standalone op's fault block is the control block of its own workspace; the ops of a
+``K3MoETail`` share ONE fault block per group (``k3tail.module``), so a fault in any of the
+group's workspaces ends the waits in all of them.  A rank that detects a fault (deadline
+passed: TIMEOUT; wrong tag: MISMATCH; an expert index out of range: INDEX) *posts* the record
+into every rank's fault word, its own included (:func:`post_fault`: ``atomic_cas(0 -> record)``,
+so the first record wins on each rank and a record is never torn), and sets its host mirror.
+Every poll exits when its local fault word is set, and every launch that finds it set at its
+start does nothing but set the host mirror.  The host raises (``k3tail.errors``), naming the
+reason, the failing and the detecting rank from the record.  ``CTRL_FAULT_TAG`` /
+``CTRL_FAULT_GOT`` hold the detecting rank's own tag and the tag it saw (its own block only).
+The host's abort path (a rank that rejects its inputs) posts a record with
+``abort_kernel``.
+
+Control block (int32, in this rank's region; only the fault word is ever written by peers)::
+
+    [CTRL_STAGE]      stage counter, advanced by the last program of each launch
+    [CTRL_POISON]     the fault word (see above)
+    [CTRL_DONE]       programs of the current launch that finished (last one resets it)
+    [CTRL_USER..7]    per-op state (e.g. the exchange's barrier epoch)
+    [CTRL_FAULT_TAG]  the detecting rank's tag, [CTRL_FAULT_GOT] the tag it saw
 """
 
 import os
@@ -70,7 +99,20 @@ CTRL_STAGE = 0
 CTRL_POISON = 1
 CTRL_DONE = 2
 CTRL_USER = 4
+CTRL_FAULT_TAG = 8
+CTRL_FAULT_GOT = 9
 CTRL_WORDS = 16
+CTRL_BYTES = CTRL_WORDS * 4
+
+# Fault record: reason code (bits 0-3), failing rank (bits 4-11; 255 = unknown), detecting
+# rank (bits 12-19).  Always > 0.  ``k3tail.ops.fault`` decodes it.
+FAULT_TIMEOUT = 1    # a peer never arrived before the deadline
+FAULT_MISMATCH = 2   # a peer published another call's tag
+FAULT_REJECTED = 3   # a rank rejected its inputs (host abort path)
+FAULT_INDEX = 4      # an expanded_idx entry outside [-1, rows) (found on the device)
+FAULT_ABORTED = 5    # a rank failed elsewhere (host abort path: another workspace, the group header)
+NO_RANK = 255
+NO_RANK_C = tl.constexpr(NO_RANK)
 
 
 @triton.jit
@@ -146,36 +188,107 @@ def now_ns(clock_ptr, USE_GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
-def is_poisoned(ctrl_ptr):
-    return tl.load(ctrl_ptr + 1, volatile=True) != 0
+def is_poisoned(fault_ptr):
+    """Is the fault word of this fault block set (by this rank or a peer)?"""
+    return tl.load(fault_ptr + 1, volatile=True) != 0
 
 
 @triton.jit
-def poison(ctrl_ptr, host_flag_ptr):
-    """Mark the workspace dead (device block and its host mirror)."""
-    tl.atomic_xchg(ctrl_ptr + 1, 1)
+def note_fault(host_flag_ptr):
+    """Tell the host: set the host mirror (pinned on CUDA)."""
     tl.atomic_xchg(host_flag_ptr, 1)
 
 
 @triton.jit
-def wait_ready(ptrs, mask, ctrl_ptr, host_flag_ptr, clock_ptr, deadline,
-               USE_GLOBALTIMER: tl.constexpr):
-    """Spin on local slots ``ptrs`` until no masked element is the sentinel.
+def fault_record(code, failing, detector):
+    """The packed fault record (see the module docstring)."""
+    return code + (failing & 0xFF) * 16 + (detector & 0xFF) * 4096
 
-    Returns 1 when the data is there, 0 when the deadline passed or the workspace is
-    poisoned (then the poison flag is set).  The loop carries only a scalar (a tensor
-    loop-carry with a reduction condition crashed the Triton 3.6 compiler); callers
-    load the data again after the loop.
-    """
-    state = 1  # 1 pending, 0 ready, -1 gave up
-    while state > 0:
+
+@triton.jit
+def post_fault(ftab_ptr, fault_ptr, host_flag_ptr, record, tag, got, W: tl.constexpr):
+    """Post ``record`` into every rank's fault word (first record wins on each rank: CAS from 0),
+    keep this rank's tag and the tag it saw in its own block, and set the host mirror."""
+    tl.store(fault_ptr + 8, tag)
+    tl.store(fault_ptr + 9, got)
+    for d in tl.static_range(W):
+        peer = tl.load(ftab_ptr + d).to(tl.pointer_type(tl.int32))
+        tl.atomic_cas(peer + 1, 0, record, sem="acq_rel", scope="sys")
+    note_fault(host_flag_ptr)
+
+
+@triton.jit
+def check_start(fault_ptr, host_flag_ptr):
+    """At a launch's start: True when the group is healthy; else mirror the fault to the host."""
+    dead = is_poisoned(fault_ptr)
+    if dead:
+        note_fault(host_flag_ptr)
+    return not dead
+
+
+@triton.jit
+def wait_slots(ptrs, mask, tag_ptrs, tag_mask, tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER: tl.constexpr):
+    """Spin on local slots ``ptrs`` and tag slots ``tag_ptrs`` until no masked element of either is
+    the sentinel and every tag equals ``tag``.  Returns 0 (arrived, tags equal), 1 (deadline passed),
+    2 (the fault word is set) or 3 (a tag slot holds another call's tag: no need to wait for the data).
+    The tags are compared inside the loop, so the fast path pays no extra load after it.
+
+    The loop carries only a scalar (a tensor loop-carry with a reduction condition crashed the
+    Triton 3.6 compiler); callers load the data again after the loop."""
+    state = 5  # 5 pending
+    while state > 4:
         v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-        n_armed = tl.sum((is_armed(v) & mask).to(tl.int32))
-        dead = is_poisoned(ctrl_ptr) | (now_ns(clock_ptr, USE_GLOBALTIMER) > deadline)
-        state = tl.where(n_armed == 0, 0, tl.where(dead, -1, 1))
-    if state < 0:
-        poison(ctrl_ptr, host_flag_ptr)
+        tg = tl.load(tag_ptrs, mask=tag_mask, other=0, volatile=True)
+        tg_armed = is_armed(tg) & tag_mask
+        n_armed = tl.sum((is_armed(v) & mask).to(tl.int32)) + tl.sum(tg_armed.to(tl.int32))
+        n_wrong = tl.sum((tag_mask & (tg != tag) & ~tg_armed).to(tl.int32))
+        late = now_ns(clock_ptr, USE_GLOBALTIMER) > deadline
+        state = tl.where(n_wrong > 0, 3, tl.where(n_armed == 0, 0, tl.where(is_poisoned(fault_ptr), 2,
+                                                                             tl.where(late, 1, 5))))
+    return state
+
+
+@triton.jit
+def settle(state, tag_ptrs, tag_mask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W: tl.constexpr):
+    """After :func:`wait_slots`: True when the data may be used (state 0: nothing more to do).
+    Another tag (3): post a MISMATCH naming the first source with another tag.  Deadline (1): post a
+    TIMEOUT naming ``missing`` (the caller's first source still armed, or NO_RANK).  Fault word set
+    (2): mirror it to the host."""
+    if state == 3:
+        srcs = tl.arange(0, tag_ptrs.shape[0])
+        tg = tl.load(tag_ptrs, mask=tag_mask, other=0, volatile=True)
+        wrong = tag_mask & (tg != tag) & ~is_armed(tg)
+        bad = tl.min(tl.where(wrong, srcs, NO_RANK_C))
+        got = tl.max(tl.where(srcs == bad, tg, -1))
+        post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(2, bad, rank), tag, got, W)
+    elif state == 1:
+        post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(1, missing, rank), tag, -1, W)
+    elif state == 2:
+        note_fault(host_flag_ptr)
     return state == 0
+
+
+@triton.jit
+def first_armed_src(ptrs, mask, tag_ptrs, tag_mask):
+    """The first source (row of a ``[W_P2, BLOCK]`` slot tile, entry of its tag vector) that still
+    holds a sentinel: whom a timed-out wait names.  NO_RANK when none (it arrived just now)."""
+    srcs = tl.arange(0, tag_ptrs.shape[0])
+    v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    tg = tl.load(tag_ptrs, mask=tag_mask, other=0, volatile=True)
+    rows = tl.sum((is_armed(v) & mask).to(tl.int32), axis=1) + (is_armed(tg) & tag_mask).to(tl.int32)
+    return tl.min(tl.where(rows > 0, srcs, NO_RANK_C))
+
+
+@triton.jit
+def idx_in_range(idx_ptr, t64, R, TOP_K: tl.constexpr):
+    """Does every slot of token ``t64``'s ``expanded_idx`` row lie in ``[-1, R)``?  The finalize
+    kernels check this before ``numerics.finalize32`` reads any expert row, so an index out of
+    range is never dereferenced on the device (the host checks CPU tensors itself)."""
+    bad = 0
+    for k in tl.static_range(TOP_K):  # scalar loads, as finalize32 reads them
+        e = tl.load(idx_ptr + t64 * TOP_K + k)
+        bad += ((e < -1) | (e >= R)).to(tl.int32)
+    return bad == 0
 
 
 @triton.jit
@@ -186,3 +299,42 @@ def finish_launch(ctrl_ptr, num_programs, NUM_STAGES_: tl.constexpr):
         tl.store(ctrl_ptr + 2, 0)
         stage = tl.load(ctrl_ptr + 0, volatile=True)
         tl.store(ctrl_ptr + 0, (stage + 1) % NUM_STAGES_)
+
+
+@triton.jit
+def shard_of(d, HIDDEN: tl.constexpr, W: tl.constexpr):
+    """``(b[d], width)`` of rank d's column shard (``b[d] = d * (H // W) + min(d, H % W)``); for
+    W dividing H exactly ``(d * H / W, H / W)``, as constexpr-divisible as before."""
+    Q: tl.constexpr = HIDDEN // W
+    R: tl.constexpr = HIDDEN % W
+    if R == 0:
+        lo = d * Q
+        n = Q
+    else:
+        lo = d * Q + tl.minimum(d, R)
+        n = tl.where(d < R, Q + 1, Q)
+    return lo, n
+
+
+@triton.jit
+def shard_owner(c, HIDDEN: tl.constexpr, W: tl.constexpr):
+    """The rank that owns output column ``c`` (inverse of :func:`shard_of`)."""
+    Q: tl.constexpr = HIDDEN // W
+    R: tl.constexpr = HIDDEN % W
+    if R == 0:
+        d = c // Q
+    else:
+        d = tl.where(c < R * (Q + 1), c // (Q + 1), R + (c - R * (Q + 1)) // tl.maximum(Q, 1))
+    return d
+
+
+@triton.jit(do_not_specialize=["record"])
+def abort_kernel(ftab_ptr, host_flag_ptr, record, W: tl.constexpr):
+    """The host's abort path (one program): post ``record`` into every rank's fault word (CAS
+    from 0, as :func:`post_fault`) and set this rank's host mirror.  Launched by a rank that
+    rejects its inputs, or that raised a fault, so that every peer's waits end (``k3tail.ops.fault``).
+    It never waits."""
+    for d in tl.static_range(W):
+        peer = tl.load(ftab_ptr + d).to(tl.pointer_type(tl.int32))
+        tl.atomic_cas(peer + 1, 0, record, sem="acq_rel", scope="sys")
+    note_fault(host_flag_ptr)

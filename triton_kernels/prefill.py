@@ -6,7 +6,10 @@ ranks one column more).  Per layer, on every rank:
 
 1. ``finalize_shards_kernel`` forms this rank's fp32 routed partial (``numerics.finalize32``:
    exact products, k ascending, -1 slots skipped and their rows never loaded; or
-   ``fp32(scale * routed)``) and stores it straight into the *send layout*: the concatenation
+   ``fp32(scale * routed)``) and stores it straight into the *send layout*.  A token whose
+   ``expanded_idx`` row holds an index outside ``[-1, R)`` is never read: its partial is zero and
+   the kernel sets the caller's ``status`` word, which the large-M path's first exchange carries
+   (``PeerExchange.barrier``, ``OneShotAllReduce``: an INDEX fault on every rank).  The concatenation
    over destinations d of the row-major ``[M, b[d+1] - b[d]]`` block (dest d's block starts at
    element ``M * b[d]``).  ``pack_shards_kernel`` copies any ``[M, n]`` tensor (the shared
    partial, an exact 16-bit input) into the same layout.
@@ -48,7 +51,7 @@ offsets are int64 (M * n * 4 bytes exceeds 2^31 at prefill sizes).  ``M`` and ``
 import triton
 import triton.language as tl
 
-from .lamport import round_to
+from .lamport import idx_in_range, round_to
 from .numerics import rms_rstd, routed32, sq64
 
 
@@ -82,17 +85,26 @@ def _shard_chunk(pid, M, WIDTH: tl.constexpr, Q: tl.constexpr, R: tl.constexpr,
     return t64, col, cmask, dst
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "ROWS"])
 def finalize_shards_kernel(
-    routed_ptr, eo_ptr, w_ptr, idx_ptr, out_ptr, M, scale,
+    routed_ptr, eo_ptr, w_ptr, idx_ptr, out_ptr, status_ptr, M, ROWS, scale,
     WIDTH: tl.constexpr, Q: tl.constexpr, R: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK: tl.constexpr, CPS: tl.constexpr, CHUNKS: tl.constexpr, PER_SHARD: tl.constexpr,
     FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     """fp32 routed partial of one (token, chunk) into the send layout: ``finalize32`` (all K row
-    loads of the chunk in flight) or ``fp32(routed)``, times ``scale`` when it is not 1."""
+    loads of the chunk in flight) or ``fp32(routed)``, times ``scale`` when it is not 1.  With the
+    triple, a token with an index outside ``[-1, ROWS)`` gets zeros and sets ``status``."""
     t64, col, cmask, dst = _shard_chunk(tl.program_id(0), M, WIDTH, Q, R, BLOCK, CPS, CHUNKS, PER_SHARD)
-    acc = routed32(t64, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE)
+    if FINALIZE:
+        if idx_in_range(idx_ptr, t64, ROWS, TOP_K):
+            acc = routed32(t64, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, scale, WIDTH, TOP_K, FINALIZE,
+                           HAS_SCALE)
+        else:
+            tl.atomic_xchg(status_ptr, 1)
+            acc = tl.zeros(col.shape, dtype=tl.float32)
+    else:
+        acc = routed32(t64, col, cmask, routed_ptr, eo_ptr, w_ptr, idx_ptr, scale, WIDTH, TOP_K, FINALIZE, HAS_SCALE)
     tl.store(out_ptr + dst, acc, mask=cmask)
 
 

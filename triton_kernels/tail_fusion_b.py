@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .gemm import combine, k_loop_ptr, k_loop_tma
-from .lamport import canonicalize, is_poisoned, round_to
+from .lamport import canonicalize, is_poisoned, round_to, shard_of
 
 
 @triton.jit
@@ -56,12 +56,13 @@ def _multimem_st32(ptrs, bits):
 
 
 @triton.jit
-def _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN: tl.constexpr, SHARD: tl.constexpr):
+def _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN: tl.constexpr, SHARD: tl.constexpr,
+                W: tl.constexpr):
     """The epilogue's fp32 operands of an [M-tile, N-tile]: the reduced shared shard ``rs32``
     and this rank's prefix shard.  Loaded before the K loop (A wrote ``rs32`` before B's
     ``gdc_wait`` returned; ``prefix`` is an input), so their latency hides under the weights'."""
     sh = tl.load(rs32_ptr + offs_m[:, None] * SHARD + offs_n[None, :], mask=m2, other=0.0)
-    col = rank * SHARD + offs_n
+    col = shard_of(rank, HIDDEN, W)[0] + offs_n  # b[rank] (= rank * SHARD when W divides H)
     pf = tl.load(prefix_ptr + offs_m[:, None] * HIDDEN + col[None, :], mask=m2, other=0.0).to(tl.float32)
     return sh, pf
 
@@ -73,7 +74,7 @@ def _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
     """``(pf + acc) + sh`` in fp32 (the family's epilogue order), one rounding, canonicalize,
     store into every rank's mailbox."""
     y = canonicalize(round_to(combine(acc, pf, sh, True, True), DTYPE))   # the output's only rounding
-    col = rank * SHARD + offs_n
+    col = shard_of(rank, HIDDEN, W)[0] + offs_n  # b[rank]: uneven shards where W does not divide H
     dst = offs_m[:, None] * HIDDEN + col[None, :]
     if MULTICAST:
         # One store reaches every rank's mailbox, two adjacent 16-bit columns per 32-bit word
@@ -119,7 +120,7 @@ def tail_b_kernel(
     mmask = offs_m < M
     nmask = offs_n < SHARD
     m2 = mmask[:, None] & nmask[None, :]
-    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD)
+    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD, W)
     # the projection family's K loop (gemm.py): same chunks, same order, same MMA as every tier
     if USE_TMA:
         acc = k_loop_tma(normed_desc, w_desc, 0, pid * BLOCK_N, LATENT, BLOCK_M_, BLOCK_N, SWAP_AB)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -10,6 +12,7 @@ from k3tail.runtime import launch as L
 from k3tail.runtime.checks import check_tensor
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
+from k3tail.ops.fault import CallCounter
 from k3tail.runtime.workspace import create_workspace, resolve_device
 from k3tail.triton_kernels.allreduce import oneshot_allreduce_kernel
 from k3tail.triton_kernels.lamport import NUM_STAGES
@@ -23,11 +26,17 @@ class OneShotAllReduce:
     ``OneShotAllReduce(group=None, *, max_tokens, width, dtype=torch.bfloat16, timeout_s=20.0, device=None)``
 
     The sum is accumulated in fp64 in rank order and rounded once to ``dtype`` (bf16 or fp16), so
-    every rank returns bit-identical results; ``M <= max_tokens``.  ``group``: a process group (None: the default one; without ``torch.distributed`` initialized, a
+    every rank returns bit-identical results; ``M <= max_tokens``.  ``group``: a process group (None:
+    the default one; without ``torch.distributed`` initialized, a
     world of one, which returns a copy), or a ``LoopbackWorld`` group.  ``device``: where the
     workspace and the tensors live (``k3tail.runtime.workspace.resolve_device``).  Construct on every
     rank in the same order (collective allocation), outside CUDA-graph capture; calls are
     graph-capturable (the stage counter lives on the device).
+
+    One call, one pairing (``triton_kernels/allreduce.py``): every launch carries a call tag, by
+    default from the op's own call counter (advanced by every call, rejected ones included) and
+    the call's M; ``tag=`` passes the caller's (``K3MoETail``'s).  A peer whose call is another
+    call raises :class:`k3tail.PeerMismatch` on every rank instead of summing two calls.
     """
 
     op_name = "OneShotAllReduce"
@@ -50,28 +59,45 @@ class OneShotAllReduce:
         self.max_tokens, self.width, self.dtype, self.timeout_s = max_tokens, width, dtype, float(timeout_s)
         self.device = resolve_device(self.comm, device)  # ValueError naming device= before allocating
         self.ws = None
+        self._calls = CallCounter()
         if self.world_size > 1:
             elem = torch.empty((), dtype=dtype).element_size()
-            nbytes = NUM_STAGES * self.world_size * max_tokens * width * elem
-            self.ws = create_workspace(group, nbytes, device=self.device, what=self.op_name,
-                                       arm32=((0, nbytes),) if dtype == torch.float32 else ())
-            self.device = self.ws.device
-            w_p2 = L.next_pow2(self.world_size)
+            W = self.world_size
+            w_p2 = L.next_pow2(W)
             budget = 32768 if interpret_mode() else 8192
             self.block = max(64, min(L.next_pow2(width), budget // w_p2, 4096 if interpret_mode() else 1024))
+            chunks = -(-width // self.block)
+            nbytes = NUM_STAGES * W * max_tokens * width * elem
+            tag_off = -(-nbytes // 256) * 256
+            tag_bytes = NUM_STAGES * W * max_tokens * chunks * 4
+            arm32 = ((0, nbytes),) if dtype == torch.float32 else ()
+            self.ws = create_workspace(group, tag_off + tag_bytes, device=self.device, what=self.op_name,
+                                       arm32=arm32 + ((tag_off, tag_bytes),))
+            self.device = self.ws.device
             pdl = L.pdl_enabled(self.device)
             self._variant = _KERNEL.variant(
-                pdl=pdl, WIDTH=width, MAX_TOKENS=max_tokens, W=self.world_size, W_P2=w_p2, BLOCK=self.block,
-                NUM_STAGES=NUM_STAGES, USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl)
+                pdl=pdl, WIDTH=width, MAX_TOKENS=max_tokens, W=W, W_P2=w_p2, BLOCK=self.block,
+                NUM_STAGES=NUM_STAGES, TAG_OFF=tag_off, USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl)
             self._cap = L.grid_cap(self.comm, self.device)
             self._timeout_ns = int(self.timeout_s * 1e9)
+            self._no_status = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def check(self) -> None:
-        """Synchronize this rank's device and raise if a wait timed out."""
+        """Synchronize this rank's device and raise if a wait timed out (or any fault was posted)."""
         if self.ws is not None:
             self.ws.sync_check(self.op_name, self.timeout_s)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def rearm(self) -> None:
+        """Recovery, collective (``k3tail.reset``): arm the workspace again, zero its control block."""
+        if self.ws is not None:
+            self.ws.rearm()
+
+    def __call__(self, x: torch.Tensor, *, tag: Optional[int] = None,
+                 status: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` summed over the group.  ``tag``: the caller's call tag (default: this op's own call
+        counter and M); ``status``: an int32 ``[1]`` device word that, when non-zero, makes this rank
+        post an INDEX fault instead of publishing (``k3tail.ops.prefill.finalize_to_shards``'s)."""
+        own = self._calls.next(x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else 0)
         check_tensor("x", x, dtype=self.dtype, device=self.device, ndim=2, shape=(None, self.width))
         self._check_rows(x.shape[0])
         if self.world_size == 1:
@@ -82,12 +108,14 @@ class OneShotAllReduce:
         out = torch.empty_like(x)
         if M == 0:
             return out
+        tag = own if tag is None else int(tag)
+        st = self._no_status if status is None else status
         chunks = -(-self.width // self.block)
         clock = L.clock_arg(ws)
         for r0 in range(0, M, self.max_tokens):
             m = min(self.max_tokens, M - r0)
             self._variant((min(m * chunks, self._cap),), x[r0:r0 + m], out[r0:r0 + m], ws.table, ws.ctrl,
-                          ws.host_flag, clock, ws.rank, m, self._timeout_ns)
+                          ws.fault_blk, ws.ftab, ws.host_flag, clock, st, ws.rank, m, self._timeout_ns, tag)
             L.after_launch(ws, self.op_name, self.timeout_s)
         return out
 

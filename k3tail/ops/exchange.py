@@ -16,6 +16,7 @@ from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.workspace import create_workspace, resolve_device
 from k3tail.runtime.checks import check_tensor
+from k3tail.ops.fault import CallCounter
 
 _AREA_ALIGN = 256
 GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
@@ -34,8 +35,8 @@ def reference_gather_cols(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
 class PeerExchange:
     """Named data areas per rank, a device-side barrier, and a pull of every rank's block.
 
-    ``areas`` maps names to byte sizes; each rank's workspace holds a flag array of W int32
-    epochs and the areas, disjoint and 256-byte aligned, in the dict's order (every rank must
+    ``areas`` maps names to byte sizes; each rank's workspace holds a flag array of W int64
+    ``(call tag, epoch)`` words and the areas, disjoint and 256-byte aligned, in the dict's order (every rank must
     construct it with the same areas, in the same order, at the same point: collective).
 
     Protocol (proof in ``triton_kernels/exchange.py``).  A call of the caller is a sequence of
@@ -78,7 +79,7 @@ class PeerExchange:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.timeout_s = float(timeout_s)
         W = self.world_size
-        off = _round_up(4 * W)  # flag[W] at offset 0
+        off = _round_up(8 * W)  # flag[W] (int64) at offset 0
         self.areas: Dict[str, tuple] = {}
         for name, size in areas.items():
             self.areas[name] = (off, size)
@@ -87,12 +88,14 @@ class PeerExchange:
         self._agree(areas)
         self.ws = ws = create_workspace(group, off, device=dev, what=self.op_name)
         self.device = ws.device
-        ws.local[:4 * W].zero_()  # flags start at epoch 0 (the region is armed with -0.0 bits)
+        ws.local[:8 * W].zero_()  # flags start at epoch 0 (the region is armed with -0.0 bits)
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
         self.comm.barrier()  # every rank's flags zeroed before anyone can arrive
         self._tables = {name: ws.table + o for name, (o, _) in self.areas.items()}
         self._bounds: dict = {}
+        self._calls = CallCounter()
+        self._no_status = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def _agree(self, areas) -> None:
         """Every rank must lay out the same areas: a mismatch would address wrong bytes."""
@@ -131,20 +134,31 @@ class PeerExchange:
         return self._tables[name]
 
     def check(self) -> None:
-        """Synchronize this rank's device and raise if a wait timed out."""
+        """Synchronize this rank's device and raise if a wait timed out (or any fault was posted)."""
         self.ws.sync_check(self.op_name, self.timeout_s)
 
+    def rearm(self) -> None:
+        """Recovery, collective (``k3tail.reset``): arm the region, zero the control block and the flags."""
+        self.ws.rearm()
+        self.ws.local[:8 * self.world_size].zero_()
+
     # ------------------------------------------------------------------ operations
-    def barrier(self) -> None:
-        """Arrive at every rank, wait (bounded) until every rank arrived; see the class docstring."""
+    def barrier(self, *, tag=None, status=None) -> None:
+        """Arrive at every rank, wait (bounded) until every rank arrived; see the class docstring.
+        ``tag``: the caller's call tag (default: this op's own barrier count), which every peer's
+        barrier of the same epoch must carry (else :class:`k3tail.PeerMismatch` on every rank);
+        ``status``: an int32 ``[1]`` device word; non-zero makes this rank post an INDEX fault
+        instead of arriving."""
+        own = self._calls.next(0)
         ws = self.ws
         ws.check(self.op_name, self.timeout_s)
         if self.world_size == 1:
             return  # no peer: stream order already orders our own writes and reads
         pdl = L.pdl_enabled(ws.device)
         # One spinning program per rank: co-resident under every grid cap (L.grid_cap >= 1).
-        L.launch(barrier_kernel, (1,), ws.table, ws.ctrl, ws.host_flag, L.clock_arg(ws),
-                 ws.rank, int(self.timeout_s * 1e9),
+        L.launch(barrier_kernel, (1,), ws.table, ws.ctrl, ws.fault_blk, ws.ftab, ws.host_flag, L.clock_arg(ws),
+                 self._no_status if status is None else status, ws.rank, int(self.timeout_s * 1e9),
+                 own if tag is None else int(tag),
                  W=self.world_size, W_P2=L.next_pow2(self.world_size), CTRL_EPOCH_=CTRL_EPOCH,
                  USE_GLOBALTIMER=not interpret_mode(), USE_PDL=pdl, pdl=pdl, num_warps=1)
         L.after_launch(ws, self.op_name, self.timeout_s)
@@ -200,6 +214,6 @@ class PeerExchange:
         cap = 4 if interpret_mode() else 4 * torch.cuda.get_device_properties(ws.device).multi_processor_count
         pdl = L.pdl_enabled(ws.device)
         L.launch(gather_cols_kernel, (max(1, min(tiles, cap)),),
-                 out, self._tables[name], self._bounds_tensor(b), ws.ctrl, M, out.stride(0),
+                 out, self._tables[name], self._bounds_tensor(b), ws.fault_blk, M, out.stride(0),
                  W=W, BLOCK_M=block_m, BLOCK_N=block_n, ALIGN=align, USE_PDL=pdl, pdl=pdl)
         return out

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from k3tail.config import ACT_DTYPES, DEFAULT_EPS, MAX_TOP_K
 from k3tail.numerics import f32
 from k3tail.runtime import launch as L
+from k3tail.ops.fault import CallCounter
 from k3tail.runtime.checks import check_routed, check_tensor, routed_rows
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
@@ -86,14 +87,8 @@ class _FusedBase:
         # world of one: the current CUDA device when there is one.  ValueError before allocating.
         dev = resolve_device(self.comm if W > 1 else None, device)
         self.ws = None
-        if W > 1:
-            n32 = NUM_STAGES * W * max_tokens * width * 4
-            n16 = NUM_STAGES * W * max_tokens * (width + self.sh) * 2
-            self.ws = create_workspace(group, n32 + n16, device=dev, what=self.op_name,
-                                       arm32=((0, n32),))
-            self.device = self.ws.device
-        else:
-            self.device = dev
+        self.device = dev
+        self._calls = CallCounter()
         w_p2 = L.next_pow2(W)
         wide = L.next_pow2(max(width, self.sh))
         if interpret_mode():
@@ -119,6 +114,17 @@ class _FusedBase:
         self.slices = int(tactics.get("slices", slices))
         if not 1 <= self.slices <= SQ_STRIDE:
             raise ValueError(f"tactics['slices'] must be in 1..{SQ_STRIDE}, got {self.slices}")
+        # tag slots: one per (stage, source, token, chunk) of the lane, for the finer of the two shapes
+        self._tag_stride = max(-(-width // b) + -(-self.sh // b) for b in (self.block, self.slice_block))
+        self._tag_off = 0
+        if W > 1:  # the collective allocation, after every argument is checked
+            n32 = NUM_STAGES * W * max_tokens * width * 4
+            n16 = NUM_STAGES * W * max_tokens * (width + self.sh) * 2
+            self._tag_off = -(-(n32 + n16) // 256) * 256
+            ntag = NUM_STAGES * W * max_tokens * self._tag_stride * 4
+            self.ws = create_workspace(group, self._tag_off + ntag, device=dev, what=self.op_name,
+                                       arm32=((0, n32), (self._tag_off, ntag)))
+            self.device = self.ws.device
         # The fp32 scratch row is used only when a row spans several chunks or slices (module docstring
         # of the kernel): a one-chunk row at W = 1 (K3's latent) needs none, so none is allocated.
         needs_scratch = self.slices > 1 or -(-width // self.block) > 1
@@ -139,9 +145,15 @@ class _FusedBase:
 
     # ------------------------------------------------------------------ helpers
     def check(self) -> None:
-        """Synchronize this rank's device and raise if a wait timed out."""
+        """Synchronize this rank's device and raise if a wait timed out (or any fault was posted)."""
         if self.ws is not None:
             self.ws.sync_check(self.op_name, self.timeout_s)
+
+    def rearm(self) -> None:
+        """Recovery, collective (``k3tail.reset``): re-arm the workspace, zero the arrival counters."""
+        if self.ws is not None:
+            self.ws.rearm()
+        self._cnt.zero_()
 
     def _validate_routed(self, routed, expert_out, expert_weights, expanded_idx):
         """Return (M, finalize?, top_k) after validating the routed input (materialized or triple)."""
@@ -172,21 +184,26 @@ class _FusedBase:
                 WIDTH=self.width, SH=self.sh, MAX_TOKENS=self.max_tokens, W=W,
                 W_P2=L.next_pow2(W), TOP_K=top_k, BLOCK=block, NUM_STAGES=NUM_STAGES,
                 SQ_STRIDE=SQ_STRIDE, NORM_BLOCK=min(L.next_pow2(self.width), 8192),
+                TAG_OFF=self._tag_off, TAG_STRIDE=self._tag_stride,
                 FINALIZE=finalize, HAS_SCALE=self.routed_scale != 1.0, SHARED_ADD=shared_add,
                 HAS_RESIDUAL=has_residual, SLOT32=slot32,
                 USE_GLOBALTIMER=not interpret_mode(), USE_PDL=self._pdl)
         return v
 
     def _launch(self, M, *, routed, expert_out, expert_weights, expanded_idx, shared, residual,
-                norm_weight, normed, resout, shsum, finalize, top_k, shared_add, slot32):
+                norm_weight, normed, resout, shsum, finalize, top_k, shared_add, slot32, tag):
         dummy = normed
         ws = self.ws
         if ws is not None:
             ws.check(self.op_name, self.timeout_s)
             table, ctrl, host_flag, clock, rank = ws.table, ws.ctrl, ws.host_flag, L.clock_arg(ws), ws.rank
+            fault, ftab = ws.fault_blk, ws.ftab
         else:
-            table = ctrl = host_flag = clock = self.scratch
+            table = ctrl = host_flag = clock = fault = ftab = self.scratch
             rank = 0
+        R = expert_out.shape[0] if expert_out is not None else 0
+        if expert_out is not None and R == 0:
+            expert_out = None  # every slot is -1 (validated): nothing is read; no null address
         shape = self._shapes.get(M)
         if shape is None:
             shape = self._shapes[M] = self.shape_for(M, self._cap)
@@ -202,10 +219,16 @@ class _FusedBase:
             norm_weight, normed,
             resout if resout is not None else dummy,
             shsum if shsum is not None else self.scratch,
-            self.scratch, self._sq, self._cnt, table, ctrl, host_flag, clock,
-            rank, M, self._timeout_ns, G, *self._scalars32)
+            self.scratch, self._sq, self._cnt, table, ctrl, fault, ftab, host_flag, clock,
+            rank, M, self._timeout_ns, G, tag, R, *self._scalars32)
         if ws is not None:
             L.after_launch(ws, self.op_name, self.timeout_s)
+
+
+def _rows(routed, expanded_idx) -> int:
+    """M of a call before validation (the call counter advances on rejected calls too)."""
+    x = routed if routed is not None else expanded_idx
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else 0
 
 
 class FinalizeAllReduceRMSNorm(_FusedBase):
@@ -233,7 +256,8 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
                     device=device)
 
     def __call__(self, *, norm_weight, routed=None, expert_out=None, expert_weights=None,
-                 expanded_idx=None, shared=None, residual=None):
+                 expanded_idx=None, shared=None, residual=None, tag=None):
+        own = self._calls.next(_rows(routed, expanded_idx))
         M, _, _ = self._validate_routed(routed, expert_out, expert_weights, expanded_idx)
         check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
                      ndim=1, shape=(self.width,))
@@ -241,10 +265,11 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
             if t is not None:
                 check_tensor(name, t, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.width))
         return self.run(norm_weight=norm_weight, routed=routed, expert_out=expert_out, expert_weights=expert_weights,
-                        expanded_idx=expanded_idx, shared=shared, residual=residual)
+                        expanded_idx=expanded_idx, shared=shared, residual=residual,
+                        tag=own if tag is None else int(tag))
 
     def run(self, *, norm_weight, routed=None, expert_out=None, expert_weights=None, expanded_idx=None,
-            shared=None, residual=None):
+            shared=None, residual=None, tag: int):
         """``__call__`` without the input checks, for a caller that validated the inputs (K3MoETail
         checks its call once)."""
         finalize = routed is None
@@ -257,7 +282,8 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
             self._launch(M, routed=routed, expert_out=expert_out, expert_weights=expert_weights,
                          expanded_idx=expanded_idx, shared=shared, residual=residual,
                          norm_weight=norm_weight, normed=normed, resout=resout, shsum=None,
-                         finalize=finalize, top_k=top_k, shared_add=shared is not None, slot32=slot32)
+                         finalize=finalize, top_k=top_k, shared_add=shared is not None, slot32=slot32,
+                         tag=tag)
         return (normed, resout) if residual is not None else normed
 
     def as_custom_op(self):
@@ -291,15 +317,17 @@ class LaneAllReduce(_FusedBase):
         self.latent, self.hidden = latent, hidden
 
     def __call__(self, *, norm_weight, shared, routed=None, expert_out=None, expert_weights=None,
-                 expanded_idx=None):
+                 expanded_idx=None, tag=None):
+        own = self._calls.next(_rows(routed, expanded_idx))
         M, _, _ = self._validate_routed(routed, expert_out, expert_weights, expanded_idx)
         check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
                      ndim=1, shape=(self.width,))
         check_tensor("shared", shared, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.hidden))
         return self.run(norm_weight=norm_weight, shared=shared, routed=routed, expert_out=expert_out,
-                        expert_weights=expert_weights, expanded_idx=expanded_idx)
+                        expert_weights=expert_weights, expanded_idx=expanded_idx, tag=own if tag is None else int(tag))
 
-    def run(self, *, norm_weight, shared, routed=None, expert_out=None, expert_weights=None, expanded_idx=None):
+    def run(self, *, norm_weight, shared, routed=None, expert_out=None, expert_weights=None, expanded_idx=None,
+            tag: int):
         """``__call__`` without the input checks (the caller validated them)."""
         finalize = routed is None
         M = (expanded_idx if finalize else routed).shape[0]
@@ -311,7 +339,8 @@ class LaneAllReduce(_FusedBase):
             self._launch(M, routed=routed, expert_out=expert_out, expert_weights=expert_weights,
                          expanded_idx=expanded_idx, shared=shared, residual=None,
                          norm_weight=norm_weight, normed=normed, resout=None, shsum=shsum,
-                         finalize=finalize, top_k=top_k, shared_add=False, slot32=slot32)
+                         finalize=finalize, top_k=top_k, shared_add=False, slot32=slot32,
+                         tag=tag)
         return normed, shsum
 
     def as_custom_op(self):

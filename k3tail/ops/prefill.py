@@ -138,14 +138,17 @@ def _tile(t, M, n, gpu_tile):
 
 # ------------------------------------------------------------------------------ finalize / pack
 def finalize_to_shards(*, routed=None, expert_out=None, expert_weights=None, expanded_idx=None,
-                       scale: float = 1.0, bounds, out=None, tactics: Optional[dict] = None) -> torch.Tensor:
+                       scale: float = 1.0, bounds, out=None, tactics: Optional[dict] = None,
+                       status: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's fp32 routed partial ``[M * n]`` in the send layout of ``bounds``.
 
     ``routed [M, n]`` (bf16/fp16/fp32) gives ``fp32(scale * routed)``; the triple (``expert_out
     [R, n]`` bf16/fp16, ``expert_weights [M, K]`` bf16/fp16/fp32, ``expanded_idx [M, K]`` int32,
     -1 skips a slot and its row is never read) gives ``numerics.routed_partial``'s bits.
     ``out``: optional fp32 1-D tensor of at least ``M * n`` elements (e.g. a view into a symmetric
-    send area); the returned tensor is ``out[:M * n]``."""
+    send area); the returned tensor is ``out[:M * n]``.  ``status``: optional int32 ``[1]`` word on
+    the device, set to 1 when a token's ``expanded_idx`` holds an index outside ``[-1, R)`` (that
+    token's partial is then zero; no expert row out of range is read)."""
     n, W = _bounds(bounds)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale must be a float, got {scale!r}")
@@ -160,10 +163,26 @@ def finalize_to_shards(*, routed=None, expert_out=None, expert_weights=None, exp
     if M * n == 0:
         return out
     dummy = out
-    ptrs = (routed if routed is not None else dummy, expert_out if finalize else dummy,
-            expert_weights if finalize else dummy, expanded_idx if finalize else dummy, out)
-    _shard_launch(finalize_shards_kernel, M, n, W, tactics, ptrs, (f32(scale),), TOP_K=K, FINALIZE=finalize, HAS_SCALE=float(scale) != 1.0)
+    rows = expert_out.shape[0] if finalize else 0
+    if status is not None:
+        check_tensor("status", status, dtype=torch.int32, device=dev, ndim=1, shape=(1,))
+    st = status if status is not None else _status_dummy(dev)
+    ptrs = (routed if routed is not None else dummy, expert_out if finalize and rows else dummy,
+            expert_weights if finalize else dummy, expanded_idx if finalize else dummy, out, st)
+    _shard_launch(finalize_shards_kernel, M, n, W, tactics, ptrs, (rows, f32(scale)), TOP_K=K, FINALIZE=finalize,
+                  HAS_SCALE=float(scale) != 1.0)
     return out
+
+
+_STATUS: dict = {}
+
+
+def _status_dummy(dev) -> torch.Tensor:
+    """A status word for callers that pass none (set on an index out of range, read by nobody)."""
+    t = _STATUS.get(dev)
+    if t is None:
+        t = _STATUS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return t
 
 
 def pack_shards(x: torch.Tensor, bounds, out=None, tactics: Optional[dict] = None) -> torch.Tensor:

@@ -41,11 +41,13 @@ from k3tail.runtime.checks import check_routed, check_tensor
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.loopback import group_identity
 from k3tail.runtime.modes import interpret_mode
+from k3tail.ops.fault import CallCounter
+from k3tail.ops.prefill import shard_bounds
 from k3tail.runtime.workspace import Workspace, create_workspace, local_workspace, resolve_device
 from k3tail.triton_kernels.lamport import CTRL_WORDS
-from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, tail_a_kernel, tail_c_kernel
 from k3tail.triton_kernels.gemm import BLOCK_K as GEMM_BLOCK_K
 from k3tail.triton_kernels.gemm import tma_ok
+from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, TAG_SLICES, tail_a_kernel, tail_c_kernel
 from k3tail.triton_kernels.tail_fusion_b import tail_b_kernel
 
 __all__ = ["LatentTail", "default_tactics", "shard_gemm", "workspace_layout"]
@@ -54,7 +56,7 @@ _A = L.kernel(tail_a_kernel)
 _B = L.kernel(tail_b_kernel)
 _C = L.kernel(tail_c_kernel)
 
-_SQ_STRIDE = 64          # most A slices per token
+_SQ_STRIDE = TAG_SLICES  # most A slices per token (one tag slot per slice)
 TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "c_block", "c_programs")
 
 
@@ -114,17 +116,21 @@ def _align(n: int, a: int = 256) -> int:
 
 def workspace_layout(*, hidden: int, latent: int, world_size: int, max_tokens: int,
                      dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Byte layout of one symmetric workspace set (see the kernel docstring)."""
+    """Byte layout of one symmetric workspace set (see the kernel docstring): the fp32 routed slots
+    and the int32 tag slots (``arm32``: armed with the 32-bit sentinel), the rs slots (the widest
+    shard, ``ceil(H / W)``), the mailbox, the pad."""
     W = world_size
     elem = torch.empty((), dtype=dtype).element_size()
-    shard = hidden // W
+    shard = -(-hidden // W)
     routed = max_tokens * W * latent * 4
-    rs_off = _align(routed)
+    tag_off = _align(routed)
+    tags_end = tag_off + max_tokens * W * TAG_SLICES * 4
+    rs_off = _align(tags_end)
     mb_off = _align(rs_off + max_tokens * W * shard * elem)
     pad_off = _align(mb_off + max_tokens * hidden * elem)
     total = pad_off + PAD_BYTES_SIZE
-    return {"routed_bytes": routed, "rs_off": rs_off, "mb_off": mb_off, "pad_off": pad_off,
-            "nbytes": _align(total, 4096)}
+    return {"routed_bytes": routed, "tag_off": tag_off, "arm32_bytes": tags_end, "rs_off": rs_off,
+            "mb_off": mb_off, "pad_off": pad_off, "nbytes": _align(total, 4096)}
 
 
 @dataclass
@@ -141,6 +147,12 @@ class _Set:
     mc: torch.Tensor
     dummy_idx: torch.Tensor
 
+    def rearm(self) -> None:
+        """Recovery (``k3tail.reset``): arm the region again, zero the control block and the arrival
+        counters that a call cut short by a fault may have left counting."""
+        self.ws.rearm()
+        self.cnt_a.zero_()
+
 
 @dataclass
 class _Pool:
@@ -156,13 +168,13 @@ _pools_lock = threading.Lock()
 
 def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype) -> _Set:
     lay = workspace_layout(hidden=hidden, latent=latent, world_size=W, max_tokens=max_tokens, dtype=dtype)
-    arm32 = ((0, lay["routed_bytes"]),)
+    arm32 = ((0, lay["arm32_bytes"]),)
     if comm is None:
         ws = local_workspace(lay["nbytes"], device, arm32)
     else:
         ws = create_workspace(group, lay["nbytes"], device=device, what="LatentTail", arm32=arm32)
     dev = ws.device
-    shard = hidden // W
+    shard = -(-hidden // W)  # rs32 holds this rank's shard (at most the widest)
     rows = max(max_tokens, BLOCK_M)
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
     return _Set(ws=ws, layout=lay, normed=z(rows, latent, dt=dtype), sum32=z(rows, latent),
@@ -184,7 +196,13 @@ class LatentTail:
 
     Construct on every rank in the same order, outside CUDA-graph capture (collective
     allocation); calls are graph-capturable.  ``up_weight`` passed to a call is this
-    rank's rows ``[r*H/W, (r+1)*H/W)`` of W_up, shape ``[hidden/W, latent]``.
+    rank's rows ``[b[r], b[r+1])`` of W_up, ``b = k3tail.ops.prefill.shard_bounds(hidden, W)``
+    (``[r*H/W, (r+1)*H/W)`` when W divides H; any W up to ``hidden``).
+
+    A call's ``tag=`` is the caller's call tag (``K3MoETail``'s); by default the op's own call
+    counter and M (``k3tail.ops.fault``).  A peer whose call is another call raises
+    :class:`k3tail.PeerMismatch` on every rank; an ``expanded_idx`` entry out of range raises
+    :class:`k3tail.PeerRejected` (found on the device, never read out of bounds).
     """
 
     op_name = "LatentTail"
@@ -224,16 +242,19 @@ class LatentTail:
                 if torch.cuda.is_available() and not interpret_mode() else torch.device("cpu"))
         else:
             dev = resolve_device(comm, device)  # ValueError naming device= before any allocation
-        if hidden % W:
-            raise ValueError(f"hidden ({hidden}) must be divisible by the world size ({W})")
-        if hidden % 8 or (hidden // W) % 8:
-            raise ValueError(f"hidden ({hidden}) and hidden / world size ({hidden // W}) must be multiples of 8")
+        if hidden % 8:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of 8 (16-byte rows)")
+        if hidden < W:
+            raise ValueError(f"hidden ({hidden}) must be >= the world size ({W}): every rank owns output columns")
         self.group, self.comm, self.rank, self.world_size = group, comm, rank, W
-        self.hidden, self.latent, self.shard = hidden, latent, hidden // W
+        self.bounds = shard_bounds(hidden, W)
+        self.hidden, self.latent = hidden, latent
+        self.shard = self.bounds[rank + 1] - self.bounds[rank]  # this rank's output columns (its W_up rows)
         self.top_k, self.eps, self.routed_scale = top_k, float(eps), float(routed_scale)
         self._scalars32 = (f32(routed_scale), f32(eps))  # what kernel A receives (numerics.py), rounded once
         self.max_tokens, self.dtype, self.key, self.pool_depth = max_tokens, dtype, key, pool_depth
         self.timeout_s = float(timeout_s)
+        self._calls = CallCounter()
         self._set = self._acquire_set(dev)
         self.ws = self._set.ws
         self.device = self.ws.device
@@ -255,7 +276,8 @@ class LatentTail:
         """Kernel B's multicast stores go in 32-bit pairs of columns: only where the workspace has
         a multicast address (never on this project's machines), the shard width is even and
         the N tile of the variant that runs is even; otherwise unicast (same values)."""
-        return self.ws.multicast_ptr != 0 and self.shard % 2 == 0 and self.tactics["b_block_n"] % 2 == 0
+        return (self.ws.multicast_ptr != 0 and self.hidden % self.world_size == 0 and self.shard % 2 == 0
+                and self.tactics["b_block_n"] % 2 == 0)
 
     # ------------------------------------------------------------------ pool
     def _acquire_set(self, dev: torch.device) -> _Set:
@@ -285,8 +307,12 @@ class LatentTail:
         return lay["nbytes"] * min(pool_depth, max(1, num_layers))
 
     def check(self) -> None:
-        """Synchronize this rank's device and raise if a wait timed out."""
+        """Synchronize this rank's device and raise if a wait timed out (or any fault was posted)."""
         self.ws.sync_check(self.op_name, self.timeout_s)
+
+    def rearm(self) -> None:
+        """Recovery, collective (``k3tail.reset``): re-arm this op's workspace set in place."""
+        self._set.rearm()
 
     # ------------------------------------------------------------------ call
     def _validate(self, prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
@@ -305,14 +331,17 @@ class LatentTail:
     def __call__(self, *, prefix_hidden: torch.Tensor, shared: torch.Tensor, norm_weight: torch.Tensor,
                  up_weight: torch.Tensor, routed: Optional[torch.Tensor] = None,
                  expert_out: Optional[torch.Tensor] = None, expert_weights: Optional[torch.Tensor] = None,
-                 expanded_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 expanded_idx: Optional[torch.Tensor] = None, tag: Optional[int] = None) -> torch.Tensor:
+        own = self._calls.next(prefix_hidden.shape[0] if isinstance(prefix_hidden, torch.Tensor)
+                               and prefix_hidden.dim() else 0)
         self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
                        expanded_idx)
         return self.run(prefix_hidden=prefix_hidden, shared=shared, norm_weight=norm_weight, up_weight=up_weight,
-                        routed=routed, expert_out=expert_out, expert_weights=expert_weights, expanded_idx=expanded_idx)
+                        routed=routed, expert_out=expert_out, expert_weights=expert_weights, expanded_idx=expanded_idx,
+                        tag=own if tag is None else int(tag))
 
     def run(self, *, prefix_hidden, shared, norm_weight, up_weight, routed=None, expert_out=None, expert_weights=None,
-            expanded_idx=None) -> torch.Tensor:
+            expanded_idx=None, tag: int) -> torch.Tensor:
         """``__call__`` without the input checks (the caller validated them: K3MoETail does, once)."""
         deferred = routed is None
         prefix = prefix_hidden
@@ -329,30 +358,34 @@ class LatentTail:
         timeout_ns = int(self.timeout_s * 1e9)
         clock = L.clock_arg(ws)
         # ---- A
-        slices = min(t["a_slices"], -(-Lt // 16), -(-S // 16)) if t["a_slices"] > 1 else 1
+        S_max = -(-H // W)  # rs slot width (the widest shard); S: this rank's shard
+        slices = min(t["a_slices"], -(-Lt // 16), -(-S_max // 16)) if t["a_slices"] > 1 else 1
         block_l = L.next_pow2(-(-Lt // slices))
-        block_s = L.next_pow2(-(-S // slices))
-        slices = max(-(-Lt // block_l), -(-S // block_s))
+        block_s = L.next_pow2(-(-S_max // slices))
+        slices = max(-(-Lt // block_l), -(-S_max // block_s))
         if deferred:
             eo, ew, idx, K = expert_out, expert_weights, expanded_idx, expert_weights.shape[1]
-            rt = expert_out
+            rt, R = expert_out, expert_out.shape[0]
+            if R == 0:  # every slot is -1 (validated): nothing is read; any non-null address will do
+                eo = rt = st.normed
         else:
-            eo, ew, idx, K, rt = routed, routed, st.dummy_idx, 1, routed
-        _A.variant(HIDDEN=H, LATENT=Lt, SHARD=S, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
+            eo, ew, idx, K, rt, R = routed, routed, st.dummy_idx, 1, routed, 0
+        _A.variant(HIDDEN=H, LATENT=Lt, SHARD=S_max, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
                    SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
-                   DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)(
+                   TAG_BYTES=st.layout["tag_off"], DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)(
             (min(M * slices, cap),), rt, eo, ew, idx, shared, norm_weight,
-            st.normed, st.sum32, st.sq, st.rs32, st.cnt_a, ws.table, ws.ctrl, ws.host_flag, clock,
-            ws.rank, M, timeout_ns, *self._scalars32)
-        # ---- B
-        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, ws.table, st.mc, ws.ctrl,
+            st.normed, st.sum32, st.sq, st.rs32, st.cnt_a, ws.table, ws.fault_blk, ws.ftab, ws.host_flag, clock,
+            ws.rank, M, timeout_ns, tag, R, *self._scalars32)
+        # ---- B (reads the fault word as its ctrl_ptr: it stores nothing once a fault is posted)
+        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, ws.table, st.mc, ws.fault_blk,
                   ws.rank, hidden=H, latent=Lt, shard=S, W=W, lay=st.layout,
                   multicast=self._multicast_ok(M), pdl=pdl)
         # ---- C
         chunks = -(-H // t["c_block"])
-        _C.variant(HIDDEN=H, MB_BYTES=st.layout["mb_off"], BLOCK=t["c_block"], USE_GLOBALTIMER=gt, USE_PDL=pdl,
-                   pdl=pdl)((max(1, min(M * chunks, t["c_programs"], cap)),),
-                            out, ws.table, ws.ctrl, ws.host_flag, clock, ws.rank, M, timeout_ns)
+        _C.variant(HIDDEN=H, MB_BYTES=st.layout["mb_off"], BLOCK=t["c_block"], W=W, USE_GLOBALTIMER=gt,
+                   USE_PDL=pdl, pdl=pdl)((max(1, min(M * chunks, t["c_programs"], cap)),),
+                                         out, ws.table, ws.fault_blk, ws.ftab, ws.host_flag, clock, ws.rank, M,
+                                         timeout_ns)
         L.after_launch(ws, self.op_name, self.timeout_s)
         return out
 

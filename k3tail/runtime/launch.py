@@ -41,7 +41,6 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from k3tail.errors import PeerTimeout
 from k3tail.runtime.clock import clock_page
 from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode, warm_only_active
@@ -265,6 +264,8 @@ def grid_cap(group, device: torch.device, num_warps: int = 4) -> int:
 
 
 def after_launch(ws: Workspace, op: str, timeout_s: float, detail: str = "") -> None:
-    """Under the interpreter the launch has finished: raise if a wait timed out."""
+    """Under the interpreter the launch has finished: raise the fault it met (a wait that timed
+    out, another call's tag, an index out of range, a peer's fault record).  On a GPU the host
+    learns it later, from the host mirror (the next call's ``ws.check``) or an op's ``check()``."""
     if interpret_mode() and ws.poisoned():
-        raise PeerTimeout(op, ws.rank, ws.world_size, timeout_s, detail or f"group {ws.group_name}")
+        raise ws.error(op, timeout_s, before=False, detail=detail)

@@ -4,10 +4,16 @@ A :class:`Workspace` gives a kernel everything it needs to reach its peers:
 
 * ``table``     int64 tensor ``[W]`` on the kernel's device, ``table[d]`` = base address of
                 rank d's region (the same layout on every rank);
-* ``ctrl``      int32 control block ``[CTRL_WORDS]`` local to this rank (stage counter,
-                poison flag, launch counter, per-op words), see ``triton_kernels/lamport.py``;
-* ``host_flag`` int32 ``[1]`` host-visible mirror of the poison flag (pinned on CUDA), so
-                the host can fail fast without synchronizing;
+* ``ctrl``      int32 control block ``[CTRL_WORDS]`` of this rank (stage counter, fault word,
+                launch counter, per-op words), see ``triton_kernels/lamport.py``.  It lives in
+                the rank's region, after the data (``ctrl_off``), so peers can post a fault
+                record into its fault word; nothing else in it is touched by peers;
+* ``fault_blk`` the fault block the kernels check and post into: ``ctrl`` itself, or, after
+                :meth:`Workspace.bind_fault`, the group's shared block (a ``K3MoETail``'s ops
+                share one per group, so a fault anywhere ends every wait of the group);
+* ``ftab``      int64 ``[W]``: every rank's address of that fault block (the peers' fault words);
+* ``host_flag`` int32 ``[1]`` host-visible mirror of the fault word (pinned on CUDA), so
+                the host can fail fast without synchronizing (the block's owner's);
 * ``multicast_ptr`` the multicast address, or 0 (always 0 on this project's machines);
 * ``rank``, ``world_size``, ``device``, ``nbytes`` (per-rank region size), ``backend``.
 
@@ -21,8 +27,10 @@ Backends:
               sharing one table (:class:`LoopbackWorld`).
 
 Allocation and rendezvous happen only at construction (never inside CUDA-graph capture:
-that raises).  Regions are armed with the sentinel before the closing barrier, so no
-peer can write before its slot is armed.
+that raises).  Regions are armed with the sentinel (and the control block zeroed) before the
+closing barrier, so no peer can write before its slot is armed.  :meth:`Workspace.rearm` arms
+the region and zeroes the control block again, in place: the recovery after a fault
+(``k3tail.reset``) does it on every rank between two barriers, with no kernel in flight.
 
 Sharing rule: only kernels that every rank launches in the same order may share a
 workspace (the stage counter advances per launch on each rank independently, so ranks
@@ -40,12 +48,12 @@ from typing import Optional
 
 import torch
 
-from k3tail.errors import K3TailError, WorkspacePoisoned
+from k3tail.errors import K3TailError, fault_error
 from k3tail.runtime.comm import Comm, DistComm, comm_for
 from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.sentinel import arm_region
-from k3tail.triton_kernels.lamport import CTRL_WORDS
+from k3tail.triton_kernels.lamport import CTRL_BYTES, CTRL_FAULT_GOT, CTRL_FAULT_TAG, CTRL_POISON
 
 _ALIGN = 4096
 SHM_PREFIX_ENV = "K3TAIL_SHM_PREFIX"
@@ -117,45 +125,103 @@ class Workspace:
     host_flag: torch.Tensor
     multicast_ptr: int = 0
     group_name: str = ""
+    ctrl_off: int = 0
+    arm32: tuple = ()
     _keep: list = field(default_factory=list, repr=False)
 
+    def __post_init__(self):
+        self.ftab = self.table + self.ctrl_off  # every rank's control block (its fault word)
+        self.fault_blk = self.ctrl
+        self.fault_owner: "Workspace" = self
+
+    def bind_fault(self, owner: "Workspace") -> None:
+        """Check and post faults in ``owner``'s fault block (a group's shared one) instead of
+        this workspace's own; ``owner`` must be a workspace of the same group and device."""
+        if owner.world_size != self.world_size or owner.device != self.device:
+            raise K3TailError("bind_fault: the fault block must belong to the same group and device")
+        self.fault_blk, self.ftab, self.host_flag = owner.ctrl, owner.ftab, owner.host_flag
+        self.fault_owner = owner
+
     def poisoned(self) -> bool:
-        """Has a wait on this workspace timed out?  Reads the host mirror: never syncs."""
+        """Has a fault been seen here?  Reads the host mirror: never syncs."""
         return bool(self.host_flag[0].item() != 0)
 
+    def fault_word(self) -> int:
+        """The fault word (packed record; 0 = healthy) of the fault block (a device read: syncs)."""
+        return int(self.fault_blk[CTRL_POISON].item())
+
+    def fault_tags(self) -> tuple:
+        """``(own tag, tag seen)`` that the detecting kernel of this rank noted (meaningful when the
+        record's detecting rank is this rank)."""
+        v = self.fault_blk[CTRL_FAULT_TAG:CTRL_FAULT_GOT + 1].tolist()
+        return int(v[0]), int(v[1])
+
+    def error(self, op: str, timeout_s: float, *, before: bool, detail: str = ""):
+        """The :class:`k3tail.PeerFault` of this workspace's fault record."""
+        word = self.fault_word()
+        d = detail or f"group {self.group_name}"
+        rec_det = (word >> 12) & 0xFF
+        if word and rec_det == self.rank and (word & 0xF) == 2:
+            mine, got = self.fault_tags()
+            d += f"; call tag {mine}, the peer's {got}"
+        return fault_error(op, self.rank, self.world_size, word, waited_s=timeout_s, detail=d, before=before)
+
     def check(self, op: str, timeout_s: float) -> None:
-        """Raise :class:`WorkspacePoisoned` if an earlier wait timed out."""
+        """Raise :class:`WorkspacePoisoned` if a fault was seen earlier (before this call)."""
         if self.poisoned():
-            raise WorkspacePoisoned(op, self.rank, self.world_size, timeout_s,
-                                    f"group {self.group_name}: an earlier wait timed out")
+            raise self.error(op, timeout_s, before=True)
 
     def sync_check(self, op: str, timeout_s: float) -> None:
-        """Wait for this rank's device work, then :meth:`check` (the ops' ``.check()``)."""
+        """Wait for this rank's device work, then raise the fault if the fault word is set (the
+        ops' ``.check()``; reads the fault word itself, not only the host mirror)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.check(op, timeout_s)
+        if self.poisoned() or self.fault_word():
+            raise self.error(op, timeout_s, before=True)
+
+    def rearm(self) -> None:
+        """Arm this rank's region again and zero its control block, in place (recovery; the caller
+        guarantees that no kernel of any rank uses the workspace meanwhile: ``k3tail.reset``)."""
+        arm_region(self.local, self.arm32)
+        self.local[self.ctrl_off:self.ctrl_off + CTRL_BYTES].zero_()
+        self.fault_owner.host_flag.zero_()
+        self.host_flag.zero_()
 
     def slots(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's own region viewed as ``dtype`` (for tests and debugging)."""
         return self.local.view(dtype)
 
 
-def _new_ctrl(device: torch.device):
-    ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int32, device=device)
+def _layout(nbytes: int) -> tuple:
+    """``(ctrl_off, total)``: the control block after the data, the region rounded to pages."""
+    ctrl_off = _round_up(max(int(nbytes), 2), 256)
+    return ctrl_off, _round_up(ctrl_off + CTRL_BYTES)
+
+
+def _ctrl_view(local: torch.Tensor, ctrl_off: int) -> torch.Tensor:
+    """The control block inside ``local`` (zeroed): an int32 view of CTRL_WORDS words."""
+    blk = local[ctrl_off:ctrl_off + CTRL_BYTES]
+    blk.zero_()
+    return blk.view(torch.int32)
+
+
+def _host_flag(device: torch.device) -> torch.Tensor:
     host_flag = torch.zeros(1, dtype=torch.int32)
     if device.type == "cuda":
         host_flag = host_flag.pin_memory()
-    return ctrl, host_flag
+    return host_flag
 
 
 def local_workspace(nbytes: int, device: torch.device, arm32=()) -> Workspace:
     """A world of one: a plain local region (no peers, no rendezvous), the same layout and kernels."""
-    region = torch.empty(_round_up(max(int(nbytes), 2)), dtype=torch.uint8, device=device)
-    arm_region(region, tuple((int(o), int(n)) for o, n in arm32))
+    arm32 = tuple((int(o), int(n)) for o, n in arm32)
+    ctrl_off, total = _layout(nbytes)
+    region = torch.empty(total, dtype=torch.uint8, device=device)
+    arm_region(region, arm32)
+    ctrl = _ctrl_view(region, ctrl_off)
     table = torch.tensor([region.data_ptr()], dtype=torch.int64, device=device)
-    ctrl, host_flag = _new_ctrl(device)
-    return Workspace("local", 0, 1, device, region.numel(), table, region, ctrl, host_flag, 0, "local",
-                     _keep=[region])
+    return Workspace("local", 0, 1, device, region.numel(), table, region, ctrl, _host_flag(device), 0, "local",
+                     ctrl_off, arm32, _keep=[region])
 
 
 def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = None,
@@ -164,32 +230,35 @@ def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = Non
 
     Every rank of ``group`` must call this in the same order with the same arguments.
     ``device``: as :func:`resolve_device` says (None: the group's own device; a loopback
-    group's regions are always on its world's device).  The region is armed with 16-bit sentinels, except the ``(offset, nbytes)`` ranges in
+    group's regions are always on its world's device).  The region is armed with 16-bit sentinels,
+    except the ``(offset, nbytes)`` ranges in
     ``arm32`` (fp32 slots), before the closing barrier.
     """
     arm32 = tuple((int(o), int(n)) for o, n in arm32)
     _check_not_capturing(what)
-    nbytes = _round_up(max(int(nbytes), 2))
+    ctrl_off, nbytes = _layout(nbytes)
     comm = comm_for(group)
     device = resolve_device(comm, device)  # ValueError before anything is allocated
     if isinstance(comm, LoopbackGroup):
-        return _loopback_workspace(comm, nbytes, arm32)
+        return _loopback_workspace(comm, nbytes, ctrl_off, arm32)
     if device.type == "cpu":
-        return _shm_workspace(comm, nbytes, arm32)
-    return _symm_mem_workspace(comm, nbytes, device, arm32)
+        return _shm_workspace(comm, nbytes, ctrl_off, arm32)
+    return _symm_mem_workspace(comm, nbytes, ctrl_off, device, arm32)
 
 
-def _loopback_workspace(comm: LoopbackGroup, nbytes: int, arm32) -> Workspace:
+def _loopback_workspace(comm: LoopbackGroup, nbytes: int, ctrl_off: int, arm32) -> Workspace:
     world = comm.world
     bufs = world._region(comm._seq, nbytes, arm32)
     comm._seq += 1
     table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=world.device)
-    ctrl, host_flag = _new_ctrl(world.device)
+    # each virtual rank zeroes its own control block (before its first launch; a peer posts into
+    # it only during calls, after construction)
+    ctrl = _ctrl_view(bufs[comm.rank], ctrl_off)
     return Workspace("loopback", comm.rank, comm.world_size, world.device, nbytes, table,
-                     bufs[comm.rank], ctrl, host_flag, 0, comm.name, _keep=[bufs])
+                     bufs[comm.rank], ctrl, _host_flag(world.device), 0, comm.name, ctrl_off, arm32, _keep=[bufs])
 
 
-def _shm_workspace(comm: Comm, nbytes: int, arm32) -> Workspace:
+def _shm_workspace(comm: Comm, nbytes: int, ctrl_off: int, arm32) -> Workspace:
     if not interpret_mode():
         raise K3TailError("CPU workspaces run their kernels in the Triton interpreter: set "
                           "TRITON_INTERPRET=1 before importing k3tail (k3tail.runtime.spawn does)")
@@ -221,15 +290,16 @@ def _shm_workspace(comm: Comm, nbytes: int, arm32) -> Workspace:
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     local = whole[comm.rank * nbytes:(comm.rank + 1) * nbytes]
     arm_region(local, arm32)
+    ctrl = _ctrl_view(local, ctrl_off)
     base = whole.data_ptr()
     table = torch.tensor([base + d * nbytes for d in range(W)], dtype=torch.int64)
-    ctrl, host_flag = _new_ctrl(torch.device("cpu"))
     comm.barrier()  # every region armed before anyone may write
     return Workspace("shm", comm.rank, W, torch.device("cpu"), nbytes, table, local, ctrl,
-                     host_flag, 0, getattr(comm, "name", "") or "", _keep=[mm, whole])
+                     _host_flag(torch.device("cpu")), 0, getattr(comm, "name", "") or "", ctrl_off, arm32,
+                     _keep=[mm, whole])
 
 
-def _symm_mem_workspace(comm: DistComm, nbytes: int, device: torch.device, arm32) -> Workspace:
+def _symm_mem_workspace(comm: DistComm, nbytes: int, ctrl_off: int, device: torch.device, arm32) -> Workspace:
     import torch.distributed._symmetric_memory as symm_mem
 
     group_name = comm.name
@@ -242,10 +312,10 @@ def _symm_mem_workspace(comm: DistComm, nbytes: int, device: torch.device, arm32
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     hdl = symm_mem.rendezvous(buf, group_name)
     arm_region(buf, arm32)
+    ctrl = _ctrl_view(buf, ctrl_off)
     table = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
     mc = int(getattr(hdl, "multicast_ptr", 0) or 0)
-    ctrl, host_flag = _new_ctrl(device)
     torch.cuda.synchronize(device)
     comm.barrier()
     return Workspace("symm_mem", comm.rank, comm.world_size, device, nbytes, table, buf, ctrl,
-                     host_flag, mc, group_name, _keep=[buf, hdl])
+                     _host_flag(device), mc, group_name, ctrl_off, arm32, _keep=[buf, hdl])
