@@ -134,6 +134,7 @@ def _agreed_tactics(comm, device, table, cfg: TailConfig, W: int, loopback: bool
 _CODES = {"timeout": 1, "mismatch": 2, "rejected": 3, "index": 4}
 _PATHS = ("tail", "cute", "multimem", "lane", "sharded", "allreduce", "solo", "separate")
 _HEADER_FIELDS = ("call sequence", "layer", "M", "path")
+_OK, _RELAY, _FAILED = 2, 1, 0  # a rank's status slot in the group header
 
 
 class _GroupCalls:
@@ -589,14 +590,15 @@ class K3MoETail(nn.Module):
         return gp
 
     # --------------------------------------------------------------- the call protocol
-    def _header_vec(self, *, ok: bool, seq: int = -1, M: int = -1, path: int = -1) -> torch.Tensor:
-        """``[ok of each rank | seq, layer, M, path | their negations]``: a MIN all-reduce gives the
-        failed ranks and, per field, min == -min(-x) iff every rank has the same value."""
+    def _header_vec(self, *, status: int = _OK, seq: int = -1, M: int = -1, path: int = -1) -> torch.Tensor:
+        """``[status of each rank | seq, layer, M, path | their negations]``.  Each rank writes its own
+        status slot (``_OK``; ``_RELAY``: it saw a peer's fault record; ``_FAILED``: it failed itself) and
+        ``_OK``, the largest, in the others' slots, so the MIN holds every rank's status; per field,
+        min == -min(-x) iff every rank has the same value."""
         W = self.world_size
         f = [int(seq), self._layer_id, int(M), int(path)]
-        v = torch.tensor([1] * W + f + [-x for x in f], dtype=torch.int64, device=self._ctx.coll.device)
-        if not ok:
-            v[self.rank] = 0
+        v = torch.tensor([_OK] * W + f + [-x for x in f], dtype=torch.int64, device=self._ctx.coll.device)
+        v[self.rank] = status
         return v
 
     def _header(self, seq: int, M: int, plan: Plan, x: TailInputs) -> bool:
@@ -605,15 +607,16 @@ class K3MoETail(nn.Module):
         before the grace ran out, having not seen the fault: then every rank runs this call (their
         collectives stay paired: the MIN is the same everywhere) and the group is faulted after it."""
         g, W, r = self._group, self.world_size, self.rank
-        v = self._header_vec(ok=True, seq=seq, M=M, path=_PATHS.index(plan.path))
-        word = g.fault_ws.fault_word()  # a peer gave up on us: join with ok = 0, then raise its fault
+        v = self._header_vec(seq=seq, M=M, path=_PATHS.index(plan.path))
+        word = g.fault_ws.fault_word()  # a peer posted a fault (it gave up on us): relay it, then raise it
         if word:
-            v[r] = 0
+            v[r] = _RELAY
         idx = x.expanded_idx
         if not word and v.device.type == "cuda" and idx is not None and idx.numel():
             # the device's index check (check_indices runs on CPU tensors only): one more tiny kernel
             # before the header, whose result the host reads anyway
-            v[r] = ((idx.min() >= -1) & (idx.max() < x.expert_out.shape[0])).to(torch.int64)
+            ok = (idx.min() >= -1) & (idx.max() < x.expert_out.shape[0])
+            v[r] = torch.where(ok, _OK, _FAILED)
 
         def on_late():
             post_abort(g.fault_ws, _CODES["timeout"], None, r)
@@ -621,9 +624,11 @@ class K3MoETail(nn.Module):
         res, late = self._ctx.coll.header(v, self.timeout_s, on_late)
         if word:
             raise g.fault_ws.error("K3MoETail", self.timeout_s, before=False)
-        failed = [i for i in range(W) if int(res[i]) == 0]
-        if failed and late:  # a late rank joined having seen this rank's fault post
-            raise PeerTimeout("group header", r, W, self.timeout_s, failing_rank=failed[0], detected_by=r)
+        failed = [i for i in range(W) if int(res[i]) == _FAILED]
+        relays = [i for i in range(W) if int(res[i]) == _RELAY]
+        if (failed or relays) and late:  # a late rank joined having seen this rank's fault post
+            late_ranks = failed or relays
+            raise PeerTimeout("group header", r, W, self.timeout_s, failing_rank=late_ranks[0], detected_by=r)
         if failed:
             f = failed[0]
             if f == r:
@@ -631,6 +636,11 @@ class K3MoETail(nn.Module):
             raise PeerRejected("group header", r, W, failing_rank=f, detected_by=f,
                                text=f"rank {f} failed this call (it rejected its inputs, or met a fault: "
                                     f"its own error says which)")
+        if relays:  # a fault was posted elsewhere: every rank's fault word holds its record
+            if g.fault_ws.fault_word():
+                raise g.fault_ws.error("K3MoETail", self.timeout_s, before=False)
+            raise PeerFault("group header", r, W, failing_rank=None, detected_by=relays[0],
+                            text=f"rank {relays[0]} saw a fault record (posted by another rank) before this call")
         diff = [name for i, name in enumerate(_HEADER_FIELDS) if int(res[W + i]) != -int(res[W + 4 + i])]
         if diff:
             raise PeerMismatch("group header", r, W, detail="the ranks' calls differ in: " + ", ".join(diff))
@@ -648,7 +658,7 @@ class K3MoETail(nn.Module):
         g, W, r = self._group, self.world_size, self.rank
         tier = plan.tier.name if plan is not None else None
         if self._kind == "group" and not _capturing(self.device):
-            g.pending.append(self._ctx.coll.post(self._header_vec(ok=False)))
+            g.pending.append(self._ctx.coll.post(self._header_vec(status=_FAILED)))
         post_abort(g.fault_ws, _CODES["rejected"], r, r)
         if isinstance(e, TierUnavailable):
             err = TierUnavailable(f"{e} (rank {r} of {W}: its peers were told; the group's k3tail calls fail "
@@ -673,7 +683,8 @@ class K3MoETail(nn.Module):
             det = err.detected_by if err.detected_by is not None else self.rank
             post_abort(g.fault_ws, _CODES.get(err.reason, 5), err.failing_rank, det)
             if self._kind == "group" and not joined and not _capturing(self.device):
-                g.pending.append(self._ctx.coll.post(self._header_vec(ok=False)))
+                own = err.detected_by in (None, self.rank)  # this rank met it, or only relays a peer's record
+                g.pending.append(self._ctx.coll.post(self._header_vec(status=_FAILED if own else _RELAY)))
         return err
 
     def check(self) -> None:

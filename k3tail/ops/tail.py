@@ -23,6 +23,11 @@ per call), but must not be used by layers that run back to back (see the kernel
 docstring: another library's PDL kernel between them may not ``gdc_wait``).  All ranks
 must construct their LatentTails (and any other op on the same group) in the same order,
 so the pools and the collective allocations agree.
+
+After a fault (issue 20) a set is never handed out poisoned: the recovery (``k3tail.reset``, or a
+``K3MoETail`` built on a faulted group) re-arms every set of the group's modules in place on every
+rank between two barriers (:meth:`LatentTail.rearm`), so the pool's decisions never change and
+stay rank-uniform (a rank that dropped a slot alone would allocate where its peers do not).
 """
 
 from __future__ import annotations
