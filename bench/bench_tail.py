@@ -35,14 +35,11 @@ from k3tail.tools.bench_results import results_meta  # noqa: E402
 from k3tail.tools.timing import time_graph  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
-SWEEP = [dict(b_block_n=bn, b_split_k=sk, b_block_k=bk, b_stages=st, b_gemv_max_m=0)
-         for bn, sk, bk, st in [(16, 1, 256, 4), (16, 2, 256, 4), (32, 2, 128, 4), (32, 4, 128, 4),
-                                (64, 4, 128, 3), (64, 8, 64, 4), (32, 8, 64, 4), (16, 4, 128, 4)]]
-# kernel B's GEMV variant (M <= 4; at M = 16 these run the default tiled kernel).  ptxas
-# (sm_90, L = 3584) keeps rows x 4096 / (32 x warps) <= 128 weights per thread spill-free
-# at M <= 4: rows 16 with 4 warps spills heavily and is left out.
-SWEEP += [dict(b_gemv_max_m=4, b_gemv_rows=r, b_gemv_warps=w)
-          for r, w in [(4, 4), (4, 8), (8, 4), (8, 8), (16, 8), (16, 16)]]
+# kernel B's tile on the GEMM family's K loop (BLOCK_K 64, no split-K: every tile gives the same bits)
+SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st)
+         for bn, sw, tma, w, st in [(16, True, False, 4, 8), (16, True, False, 4, 16), (32, True, False, 4, 16),
+                                    (16, True, True, 4, 8), (16, False, False, 4, 16), (32, False, False, 4, 8),
+                                    (64, True, False, 4, 8), (16, True, False, 8, 16)]]
 
 
 def median_us(fn, n_inner: int, n_rep: int = 50) -> float:
@@ -169,6 +166,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--skip-loopback", action="store_true")
+    ap.add_argument("--skip-kernel-b", action="store_true", help="only the loopback tail (part 2)")
+    ap.add_argument("--name", default="bench_tail", help="basename of the JSON and PNG written under --out")
+    ap.add_argument("--baseline", default=None,
+                    help="an earlier bench_tail JSON: print this run's loopback TAIL_FUSION times against its own")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_tail needs a CUDA GPU")
@@ -179,19 +180,29 @@ def main():
         print(s, flush=True)
         lines.append(s)
 
-    figs = {"kernel_b": bench_kernel_b(log)}
+    figs = {"kernel_b": [] if args.skip_kernel_b else bench_kernel_b(log)}
     if not args.skip_loopback:
         try:
             figs["tail_loopback"] = bench_tail_loopback(log)
         except Exception as e:  # report, keep the kernel-B figures
             log(f"loopback bench failed: {type(e).__name__}: {e}")
+    if args.baseline and figs.get("tail_loopback"):
+        with open(args.baseline) as f:
+            base = json.load(f)
+        old = {(r["W"], r["M"]): r for r in base["figures"].get("tail_loopback", [])}
+        for r in figs["tail_loopback"]:
+            b = old.get((r["W"], r["M"]))
+            if b:
+                pct = 100 * (r["fused_us"] / b["fused_us"] - 1)
+                log(f"vs {args.baseline} (commit {base.get('commit')}): loopback W={r['W']} M={r['M']} TAIL_FUSION "
+                    f"{r['fused_us']:.1f} us vs {b['fused_us']:.1f} us ({pct:+.1f}%)")
     nb = LatentTail.workspace_bytes(hidden=H, latent=LAT, world_size=8, max_tokens=16, pool_depth=2,
                                     num_layers=61)
     figs["symm_bytes_per_rank_61_layers_w8"] = nb
     log(f"symmetric memory per rank, 61 layers, W=8, pool depth 2: {nb / 2**20:.2f} MiB (target <= 32 MB)")
     doc = {**results_meta(loopback=True),
            "pdl": os.environ.get("K3TAIL_DISABLE_PDL", "0") in ("", "0"), "figures": figs, "log": lines}
-    path = os.path.join(args.out, "bench_tail.json")
+    path = os.path.join(args.out, f"{args.name}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
     log(f"wrote {path}")
@@ -221,7 +232,7 @@ def main():
             axes[1].legend()
         fig.suptitle(f"{doc['device']}  torch {doc['torch']}  triton {doc['triton']}")
         fig.tight_layout()
-        png = os.path.join(args.out, "bench_tail.png")
+        png = os.path.join(args.out, f"{args.name}.png")
         fig.savefig(png, dpi=120)
         log(f"wrote {png}")
     except Exception as e:

@@ -36,16 +36,6 @@ def add_arguments(parser):
                         help="K3MoETail's large_m (default: sharded, the module's default)")
 
 
-def construction_error(config, world_size: int) -> Optional[str]:
-    """What ``K3MoETail(config)`` in a group of ``world_size`` raises before it probes anything
-    (None: nothing).  Kept equal to the module's check by ``tests/test_doctor.py``."""
-    W = world_size
-    if config.shard_up_proj and (config.hidden % W or (config.hidden // W) % 8):
-        return (f"config.hidden ({config.hidden}) must be a multiple of 8*W (W={W}) when shard_up_proj=True "
-                f"(each rank owns hidden/W rows of the up-projection)")
-    return None
-
-
 def _caps_text(caps) -> str:
     """The selector's caps, without the fields that mean nothing where their tier is off."""
     d = dataclasses.asdict(caps)
@@ -109,13 +99,10 @@ def report(*, hidden=7168, latent=3584, top_k=16, dtype=torch.bfloat16, world_si
         why = probes.why.get(k, "")
         lines.append(f"  {k:20s} {v:6d}" + (f"   ({why})" if why else ""))
     lines.append("")
-    err = construction_error(cfg, world_size)
-    if err is None:
-        lines.append(f"construction: K3MoETail(TailConfig(hidden={hidden}, ...)) builds at W={world_size}")
-    else:
-        lines.append(f"construction: K3MoETail(TailConfig(hidden={hidden}, ...)) at W={world_size} raises "
-                     f"ValueError: {err}.  Build it with TailConfig(shard_up_proj=False) (every rank passes the "
-                     f"whole [hidden, latent] up-projection); the tiers below are that module's")
+    lo, hi = hidden // world_size, -(-hidden // world_size)
+    shards = f"{lo}" if lo == hi else f"{lo} or {hi}"
+    lines.append(f"construction: K3MoETail(TailConfig(hidden={hidden}, ...)) builds at W={world_size} "
+                 f"(each rank owns {shards} output columns)")
     lines.append(f"tuned thresholds ({table.source or 'no table'}): "
                  + (", ".join(f"{k}={v}" for k, v in cross.items()) if cross else "none for this key "
                     "(the capacities apply)"))
