@@ -88,8 +88,8 @@ from k3tail.runtime.comm import SoloComm, comm_for
 from k3tail.runtime.loopback import LoopbackGroup, group_identity
 from k3tail.runtime.modes import interpret_mode, warm_only, warm_only_active
 from k3tail.runtime.workspace import Workspace, create_workspace, resolve_device
-from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, decide, plan_for,
-                          select_plan, why_not)
+from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, caps_summary, decide,
+                          plan_for, select_plan, why_not)
 from k3tail.vote import local_probes, run_vote
 
 log = logging.getLogger("k3tail")
@@ -327,9 +327,10 @@ class K3MoETail(nn.Module):
             "why_not": {t.name: w for t, w in d.why_not.items()}, "lane_why_not": d.lane_why_not,
             "tactics_table": self.tactics_source,
         }
-        _log_once(("negotiated", getattr(self.comm, "name", ""), W, tuple(sorted(agreed.items()))), logging.INFO,
-                  "K3MoETail negotiated on %s (W=%d): possible tiers %s; not possible: %s; caps %s",
-                  self.negotiated["backend"], W, self.negotiated["possible"], self.negotiated["why_not"], d.caps)
+        _log_once(("negotiated", getattr(self.comm, "name", ""), W, tuple(sorted(agreed.items())), d.caps),
+                  logging.INFO, "K3MoETail negotiated on %s (W=%d): possible tiers %s; not possible: %s; caps %s",
+                  self.negotiated["backend"], W, self.negotiated["possible"], self.negotiated["why_not"],
+                  caps_summary(d.caps))
 
         # 4. the kind of collectives (rank-uniform; a ValueError here comes before any allocation)
         kind = collectives_kind(self.comm, self.device, exchange=exchange,

@@ -114,6 +114,21 @@ class TailCaps:
     solo: bool = False
 
 
+def caps_summary(caps: TailCaps) -> str:
+    """``caps`` as ``name=value, ...`` without the fields that mean nothing where their tier is off
+    (the multicast window without multicast, the lane's capacity without the lane, ...): what the
+    module's INFO line and ``k3tail doctor`` print."""
+    d = dataclasses.asdict(caps)
+    if not caps.multimem:
+        d.pop("multimem_min_tokens")
+        d.pop("multimem_max_tokens")
+    if caps.solo or not caps.fused_ar:
+        d.pop("lane_max_tokens")
+    if caps.solo or not caps.large_m:
+        d.pop("large_m_min_tokens")
+    return ", ".join(f"{k}={v!r}" for k, v in d.items())
+
+
 @dataclass(frozen=True)
 class Plan:
     """One call's tier and the path that serves it (see the module docstring)."""

@@ -157,6 +157,16 @@ def test_negotiated_logged_once(caplog):
         for i in range(3):
             k3tail.K3MoETail(k3tail.TailConfig(max_tokens=16, hidden=64, latent=32, top_k=2), prefix=f"log.{i}")
     assert sum("negotiated" in r.getMessage() for r in caplog.records) <= 1
+    # caps no other test builds (TAIL_FUSION capacity 5): logged here, once, without the fields of tiers that are off
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="k3tail"):
+        for i in range(2):
+            k3tail.K3MoETail(k3tail.TailConfig(max_tokens=5, hidden=80, latent=40, top_k=3), prefix=f"log80.{i}")
+    lines = [r.getMessage() for r in caplog.records if "negotiated" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("K3MoETail negotiated on solo (W=1): possible tiers"), lines[0]
+    assert "multimem=False" in lines[0] and "multimem_max_tokens" not in lines[0], lines[0]  # multicast is off
+    assert "lane_max_tokens" not in lines[0] and "solo=True" in lines[0], lines[0]  # a world of one: no lane
 
 
 def test_bad_inputs(solo):

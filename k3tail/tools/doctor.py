@@ -13,13 +13,12 @@ is the element-wise MIN of every rank's probes (DESIGN §4): run ``k3tail doctor
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 
 import torch
 
-from k3tail.tiers import Tier
+from k3tail.tiers import Tier, caps_summary
 from k3tail.tools.options import DTYPES, UsageError, add_shape_arguments, non_negative_int, positive_int
 
 ENV_SWITCHES = ("K3TAIL_DISABLE_LATENT_TAIL", "K3TAIL_DISABLE_FUSED_AR", "K3TAIL_DISABLE_PDL",
@@ -34,19 +33,6 @@ def add_arguments(parser):
                         help="lane collective capacity to assume (default: the module's)")
     parser.add_argument("--large-m", choices=("sharded", "allreduce"), default="sharded",
                         help="K3MoETail's large_m (default: sharded, the module's default)")
-
-
-def _caps_text(caps) -> str:
-    """The selector's caps, without the fields that mean nothing where their tier is off."""
-    d = dataclasses.asdict(caps)
-    if not caps.multimem:
-        d.pop("multimem_min_tokens")
-        d.pop("multimem_max_tokens")
-    if caps.solo or not caps.fused_ar:
-        d.pop("lane_max_tokens")
-    if caps.solo:
-        d.pop("large_m_min_tokens")
-    return ", ".join(f"{k}={v!r}" for k, v in d.items())
 
 
 def _fused_lane_text(caps, lane_why_not: Optional[str]) -> str:
@@ -106,7 +92,7 @@ def report(*, hidden=7168, latent=3584, top_k=16, dtype=torch.bfloat16, world_si
     lines.append(f"tuned thresholds ({table.source or 'no table'}): "
                  + (", ".join(f"{k}={v}" for k, v in cross.items()) if cross else "none for this key "
                     "(the capacities apply)"))
-    lines += [f"caps (the selector's): {_caps_text(caps)}", "", "tiers:"]
+    lines += [f"caps (the selector's): {caps_summary(caps)}", "", "tiers:"]
     for t in Tier:
         if t in why_not:
             lines.append(f"  {t.name:16s} NOT possible: {why_not[t]}")
