@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_check.sh tests            # every GPU test (phases t1 t2 t3 below, in order)
 #   bash bench/gpu_check.sh t1 prefill       # named phases: t1 t2 t3 (the GPU tests in three parts),
-#                                            # prefill, bench, tiermap, tune, cli
+#                                            # prefill, bench, tiermap, tune, cli, pairing, invariance,
+#                                            # w8 (loopback W = 8 latency vs bench_tail.json), profile
 #   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
 #   commit being measured, or the result files record the wrong one)
 #
@@ -54,6 +55,15 @@ for phase in $phases; do
     cli)
       echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20
       echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench 2>&1 | tee -a "$OUT/cli.log" | tail -30 ;;
+    pairing) run_tests pairing tests/test_pairing.py ;;   # issue 20: uneven W = 3/6, process-path faults, soak
+    invariance) run_tests invariance ${TESTS:-tests/test_invariance.py} ;;   # issue 21
+    w8)  # issue 20's latency check: loopback W = 8 TAIL_FUSION against the committed bench_tail.json
+      echo "== bench_tail loopback"; timeout ${W8_TIMEOUT:-120} python3 bench/bench_tail.py --skip-kernel-b \
+        --name bench_tail_w8_${K3TAIL_COMMIT:-head} --baseline bench/results/bench_tail.json --out bench/results 2>&1 \
+        | tee -a "$OUT/w8.log" | grep -E "loopback|vs |wrote|failed" ;;
+    profile)  # issue 19: where one eager call's host time goes
+      echo "== profile_host"; timeout ${PROFILE_TIMEOUT:-90} python3 bench/profile_host.py > "$OUT/profile_host.log" 2>&1
+      grep -E "^== M" "$OUT/profile_host.log" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
