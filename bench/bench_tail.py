@@ -35,11 +35,15 @@ from k3tail.tools.bench_results import results_meta  # noqa: E402
 from k3tail.tools.timing import time_graph  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
-# kernel B's tile on the GEMM family's K loop (BLOCK_K 64, no split-K: every tile gives the same bits)
-SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st)
-         for bn, sw, tma, w, st in [(16, True, False, 4, 8), (16, True, False, 4, 16), (32, True, False, 4, 16),
-                                    (16, True, True, 4, 8), (16, False, False, 4, 16), (32, False, False, 4, 8),
-                                    (64, True, False, 4, 8), (16, True, False, 8, 16)]]
+# kernel B's tile on the GEMM family's K loop (BLOCK_K 64, no split-K: every tile gives the same bits;
+# b_k_unroll only unrolls the K loop, same chunks in the same order).  Each result is checked bit-identical
+# to the default tactic's: a tactic that is not is reported and left out.
+SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st, b_k_unroll=u)
+         for bn, sw, tma, w, st, u in [
+             (16, True, False, 4, 8, 1), (16, True, False, 4, 16, 2), (16, True, False, 4, 8, 4),
+             (16, True, False, 4, 4, 7), (16, True, False, 4, 8, 7), (16, True, True, 4, 8, 4),
+             (32, True, False, 4, 8, 4), (16, False, False, 4, 8, 4), (16, True, False, 8, 8, 4),
+             (16, True, True, 4, 4, 7)]]
 
 
 def median_us(fn, n_inner: int, n_rep: int = 50) -> float:
@@ -81,6 +85,13 @@ def bench_kernel_b(log) -> list:
                     if err > 0.05 * float(ref.abs().max()) + 1e-2:
                         log(f"  {name} tactic {tac}: WRONG result (max err {err}); skipped")
                         continue
+                    if name == "default":
+                        bits = outs[0].clone()
+                    elif not torch.equal(outs[0].view(torch.int16), bits.view(torch.int16)):
+                        diff = int((outs[0].view(torch.int16) != bits.view(torch.int16)).sum())
+                        log(f"  {name} tactic {tac}: NOT bit-identical to the default ({diff} outputs differ); "
+                            f"left out")
+                        continue
                     results[name] = (median_us(ours(tac), copies * 4), tac)
                 except Exception as e:  # a tactic that does not compile here
                     log(f"  {name} tactic {tac}: failed ({type(e).__name__}: {e})")
@@ -102,7 +113,7 @@ def bench_kernel_b(log) -> list:
     return rows
 
 
-def bench_tail_loopback(log, W: int = 8) -> list:
+def bench_tail_loopback(log, W: int = 8, tactics=None) -> list:
     from k3tail.ops.allreduce import OneShotAllReduce
 
     world = k3tail.LoopbackWorld(W)
@@ -110,7 +121,8 @@ def bench_tail_loopback(log, W: int = 8) -> list:
     S = H // W
     n_layers = 2
     tails = [world.build(lambda r, li=li: LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
-                                                     key=f"model.layers.{li}.mlp", timeout_s=20.0))
+                                                     key=f"model.layers.{li}.mlp", timeout_s=20.0,
+                                                     tactics=tactics))
              for li in range(n_layers)]
     ar_l = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=LAT))
     ar_h = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=H))
@@ -155,9 +167,9 @@ def bench_tail_loopback(log, W: int = 8) -> list:
             for t in tl_:
                 t.check()
         row = dict(W=W, M=M, fused_us=t_f, fused_deferred_us=t_fd, composed_us=t_c, ratio=t_c / t_f,
-                   ratio_deferred=t_c / t_fd)
-        log(f"loopback W={W} M={M}: TAIL_FUSION {t_f:.1f} us (deferred {t_fd:.1f} us), composed {t_c:.1f} us, "
-            f"x{row['ratio']:.2f}")
+                   ratio_deferred=t_c / t_fd, tactics=tactics or "default")
+        log(f"loopback W={W} M={M} (tactics {tactics or 'default'}): TAIL_FUSION {t_f:.1f} us "
+            f"(deferred {t_fd:.1f} us), composed {t_c:.1f} us, x{row['ratio']:.2f}")
         rows.append(row)
     return rows
 
@@ -168,6 +180,8 @@ def main():
     ap.add_argument("--skip-loopback", action="store_true")
     ap.add_argument("--skip-kernel-b", action="store_true", help="only the loopback tail (part 2)")
     ap.add_argument("--name", default="bench_tail", help="basename of the JSON and PNG written under --out")
+    ap.add_argument("--loopback-tactics", nargs="*", default=[],
+                    help="LatentTail tactic dicts (JSON) to measure in the loopback part beside the default")
     ap.add_argument("--baseline", default=None,
                     help="an earlier bench_tail JSON: print this run's loopback TAIL_FUSION times against its own")
     args = ap.parse_args()
@@ -184,17 +198,20 @@ def main():
     if not args.skip_loopback:
         try:
             figs["tail_loopback"] = bench_tail_loopback(log)
+            for t in args.loopback_tactics:
+                figs["tail_loopback"] += bench_tail_loopback(log, tactics=json.loads(t))
         except Exception as e:  # report, keep the kernel-B figures
             log(f"loopback bench failed: {type(e).__name__}: {e}")
     if args.baseline and figs.get("tail_loopback"):
         with open(args.baseline) as f:
             base = json.load(f)
-        old = {(r["W"], r["M"]): r for r in base["figures"].get("tail_loopback", [])}
+        old = {(r["W"], r["M"]): r for r in base["figures"].get("tail_loopback", []) if "tactics" not in r}
         for r in figs["tail_loopback"]:
             b = old.get((r["W"], r["M"]))
             if b:
                 pct = 100 * (r["fused_us"] / b["fused_us"] - 1)
-                log(f"vs {args.baseline} (commit {base.get('commit')}): loopback W={r['W']} M={r['M']} TAIL_FUSION "
+                log(f"vs {args.baseline} (commit {base.get('commit')}): loopback W={r['W']} M={r['M']} "
+                    f"({r['tactics']}) TAIL_FUSION "
                     f"{r['fused_us']:.1f} us vs {b['fused_us']:.1f} us ({pct:+.1f}%)")
     nb = LatentTail.workspace_bytes(hidden=H, latent=LAT, world_size=8, max_tokens=16, pool_depth=2,
                                     num_layers=61)
@@ -226,7 +243,8 @@ def main():
             x2 = range(len(tl_))
             axes[1].bar([i - 0.2 for i in x2], [r["composed_us"] for r in tl_], 0.4, label="composed")
             axes[1].bar([i + 0.2 for i in x2], [r["fused_us"] for r in tl_], 0.4, label="TAIL_FUSION")
-            axes[1].set_xticks(list(x2), [f"M={r['M']}" for r in tl_])
+            axes[1].set_xticks(list(x2), [f"M={r['M']}" + ("" if r["tactics"] == "default" else "\n(tuned B)")
+                                          for r in tl_])
             axes[1].set_ylabel("us per layer (8 virtual ranks, one GPU)")
             axes[1].set_title("MoE tail, loopback W=8")
             axes[1].legend()

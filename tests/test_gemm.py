@@ -328,18 +328,20 @@ target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
 binder = create_function_from_signature(kern.signature, kern.params, backend)
 res = {}
-for tma, swap, multicast in json.loads(sys.argv[1]):
+for tma, swap, multicast, unroll in json.loads(sys.argv[1]):
     nd = TensorDescriptor(normed, [5, Lt], [Lt, 1], [BM, 64]) if tma else None
     wd = TensorDescriptor(w, [S, Lt], [Lt, 1], [BN, 64]) if tma else None
     kw = dict(HIDDEN=H, LATENT=Lt, SHARD=S, W=W, MB_BYTES=1 << 20, PAD_BYTES=1 << 21, BLOCK_M_=BM, BLOCK_N=BN,
-              SWAP_AB=swap, USE_TMA=tma, MULTICAST=multicast, USE_PDL=True, num_warps=4, num_stages=32,
+              SWAP_AB=swap, USE_TMA=tma, K_UNROLL=unroll, MULTICAST=multicast, USE_PDL=True, num_warps=4,
+              num_stages=32 if unroll == 1 else 8,
               launch_pdl=True)
     bound, spec, opts = binder(normed, w, rs32, prefix, nd, wd, table, mc, ctrl, 3, 5, **kw)
     options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, opts)
     k = triton.compile(ASTSource(kern, signature, constexprs, attrs), target=target, options=options.__dict__)
     ptx = k.asm["ptx"]
-    res[f"{tma}/{swap}/{multicast}"] = dict(
-        mma="mma.sync" in ptx or "wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+    res[f"{tma}/{swap}/{multicast}/{unroll}"] = dict(
+        mma="mma.sync" in ptx or "wgmma.mma_async" in ptx, n_mma=ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
+        tma="cp.async.bulk.tensor" in ptx,
         cp_async="cp.async.cg" in ptx or "cp.async.ca" in ptx, gdc="griddepcontrol.wait" in ptx,
         multimem="multimem.st" in ptx, shared=k.metadata.shared)
 print("RESULT" + json.dumps(res))
@@ -349,18 +351,25 @@ print("RESULT" + json.dumps(res))
 def test_tail_b_compiles_for_sm90():
     """TAIL_FUSION's kernel B on the family's K loop: every (TMA, swap) combination and the
     multicast-store variant compile for sm_90 at the K3 W = 8 shard with PDL and 32 stages (the
-    decode default); tensor-core MMAs, TMA bulk copies or cp.async pipelining, ``gdc_wait``."""
-    combos = [[tma, swap, False] for tma in (True, False) for swap in (True, False)] + [[True, True, True]]
+    decode default); tensor-core MMAs, TMA bulk copies or cp.async pipelining, ``gdc_wait``.  The
+    unrolled K loop (``b_k_unroll`` 4 and 7, 8 stages) too: it issues K_UNROLL times the MMAs per trip."""
+    combos = [[tma, swap, False, 1] for tma in (True, False) for swap in (True, False)] + [[True, True, True, 1]]
+    combos += [[False, True, False, 4], [True, True, False, 4], [False, True, False, 7]]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _B_COMPILER, json.dumps(combos)], capture_output=True, text=True,
                        env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.split("RESULT", 1)[1])
-    for (tma, swap, mc), v in zip(combos, res.values()):
-        print(tma, swap, mc, v)
+    base = {}
+    for (tma, swap, mc, unroll), v in zip(combos, res.values()):
+        print(tma, swap, mc, unroll, v)
         assert v["mma"] and v["gdc"], v
         assert v["tma"] if tma else v["cp_async"], v
         assert v["multimem"] == mc, v
+        if unroll == 1 and not mc:
+            base[tma, swap] = v["n_mma"]
+        elif unroll > 1:  # the unrolled loop body holds more MMAs (the 56 chunks stay 56: 3584 / 64)
+            assert v["n_mma"] > base[tma, swap], (v, base)
 
 
 def test_warp_spec_rejected_on_new_triton():

@@ -286,8 +286,9 @@ def check_rounded_once(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, what
 
 def test_shard_gemm_tiles():
     """Kernel B alone in its tile configs (weights on the MMA's M or N side, 16..64 shard rows per
-    program): the product rounded once, every element written, L a multiple of BLOCK_K (64) or not,
-    shard rows a multiple of the tile or not; and the same bits in every config (one K order)."""
+    program, the K loop unrolled or not): the product rounded once, every element written, L a multiple
+    of BLOCK_K (64) or not, shard rows a multiple of the tile or not; and the same bits in every config
+    (one K order)."""
     from k3tail.ops.tail import shard_gemm
 
     for N, Lt in ((64, 200), (72, 256), (40, 136)):
@@ -297,7 +298,11 @@ def test_shard_gemm_tiles():
             w = T.randn((N, Lt), torch.bfloat16, seed + 1, scale=Lt ** -0.5)
             outs = []
             for t in ({"b_swap_ab": False, "b_block_n": 16}, {"b_swap_ab": True, "b_block_n": 16},
-                      {"b_swap_ab": True, "b_block_n": 64}, {"b_swap_ab": False, "b_block_n": 32}):
+                      {"b_swap_ab": True, "b_block_n": 64}, {"b_swap_ab": False, "b_block_n": 32},
+                      # the unrolled K loop: 2 and 3 chunks per trip (with and without a remainder loop),
+                      # 8 (more than the 3..4 chunks: the remainder loop alone)
+                      {"b_swap_ab": True, "b_block_n": 16, "b_k_unroll": 2}, {"b_block_n": 16, "b_k_unroll": 3},
+                      {"b_swap_ab": True, "b_block_n": 32, "b_k_unroll": 8}):
                 out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
                 shard_gemm(a, w, out=out, tactics=t)
                 check_rounded_once(out, a, w, f"shard_gemm {t} N={N} L={Lt} M={M}")
@@ -306,7 +311,8 @@ def test_shard_gemm_tiles():
                 assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16)), (N, Lt, M)
     a = T.randn((3, 200), torch.bfloat16, 5)
     w = T.randn((64, 200), torch.bfloat16, 6, scale=200 ** -0.5)
-    for bad in ({"b_swap_ab": 1}, {"b_tma": "yes"}, {"b_block_n": 24}, {"b_block_n": 8}, {"b_gemv_rows": 8}):
+    for bad in ({"b_swap_ab": 1}, {"b_tma": "yes"}, {"b_block_n": 24}, {"b_block_n": 8}, {"b_gemv_rows": 8},
+                {"b_k_unroll": 0}, {"b_k_unroll": True}):
         with pytest.raises(ValueError, match="b_"):
             shard_gemm(a, w, tactics=bad)
 

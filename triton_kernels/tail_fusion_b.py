@@ -9,7 +9,8 @@ B's part of the protocol:
     ``gemm.mma_chunk``): the same code as ``k3tail.project`` and every other tier's projection,
     so the same arithmetic -- fp32 accumulator, BLOCK_K = 64 chunks in ascending order, one
     tensor-core ``tl.dot`` per chunk, no split-K, no GEMV (``gemm.py`` states the batch
-    invariance this buys and what keeps it).  Grid: one program per BLOCK_N columns of the
+    invariance this buys and what keeps it; ``K_UNROLL`` only unrolls that loop, chunk order and
+    dots unchanged).  Grid: one program per BLOCK_N columns of the
     shard (``cdiv(S, BLOCK_N)``); every output element is computed and stored by one program.
     SWAP_AB puts the weights on the MMA's M side (tokens on its N side: 16 = the tail's
     capacity); USE_TMA reads ``normed`` and the weight shard through host TMA descriptors
@@ -105,7 +106,7 @@ def tail_b_kernel(
     HIDDEN: tl.constexpr, LATENT: tl.constexpr, SHARD: tl.constexpr, W: tl.constexpr,
     MB_BYTES: tl.constexpr, PAD_BYTES: tl.constexpr,
     BLOCK_M_: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-    MULTICAST: tl.constexpr, USE_PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, MULTICAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if USE_PDL:
@@ -123,12 +124,12 @@ def tail_b_kernel(
     sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD, W)
     # the projection family's K loop (gemm.py): same chunks, same order, same MMA as every tier
     if USE_TMA:
-        acc = k_loop_tma(normed_desc, w_desc, 0, pid * BLOCK_N, LATENT, BLOCK_M_, BLOCK_N, SWAP_AB)
+        acc = k_loop_tma(normed_desc, w_desc, 0, pid * BLOCK_N, LATENT, BLOCK_M_, BLOCK_N, SWAP_AB, K_UNROLL)
     else:
         rm_ld = tl.where(mmask, offs_m, 0).to(tl.int64)   # rows past M / S: row 0, never stored
         rn_ld = tl.where(nmask, offs_n, 0).to(tl.int64)
         acc = k_loop_ptr(normed_ptr, w_ptr, rm_ld, rn_ld, LATENT, 1, LATENT, 1, LATENT, BLOCK_M_, BLOCK_N,
-                         SWAP_AB)
+                         SWAP_AB, K_UNROLL)
     if SWAP_AB:
         acc = tl.trans(acc)   # [BLOCK_N, BLOCK_M_] -> [BLOCK_M_, BLOCK_N]
     if not poisoned:  # a poisoned workspace gets no stores into any mailbox

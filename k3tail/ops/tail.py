@@ -62,7 +62,8 @@ _B = L.kernel(tail_b_kernel)
 _C = L.kernel(tail_c_kernel)
 
 _SQ_STRIDE = TAG_SLICES  # most A slices per token (one tag slot per slice)
-TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "c_block", "c_programs")
+TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "b_k_unroll", "c_block",
+               "c_programs")
 
 
 def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -> dict:
@@ -71,18 +72,18 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     if interpret_mode() or device.type != "cuda":
         # The interpreter runs programs one after another: few, large programs; pointer loads.
         return {"a_slices": 1, "b_block_n": max(16, min(256, p2(-(-hidden // W)))), "b_swap_ab": False,
-                "b_tma": False, "b_warps": 4, "b_stages": 1, "c_block": max(16, min(8192, p2(hidden))),
+                "b_tma": False, "b_warps": 4, "b_stages": 1, "b_k_unroll": 1, "c_block": max(16, min(8192, p2(hidden))),
                 "c_programs": 1}
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
     # B: the projection family's decode tile (gemm.DEFAULTS[16]: weights on the MMA's M side, 16 shard
     # rows per program, pointer loads, 16 stages; the fastest kernel B of the H200 run,
     # bench/results/gemm_nvidia_h200.json part (d))
     return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 4, "b_stages": 16,
-            "c_block": 1024, "c_programs": 16}
+            "b_k_unroll": 1, "c_block": 1024, "c_programs": 16}
 
 
 def _check_tactics(t: dict) -> None:
-    for k in ("a_slices", "b_block_n", "b_warps", "b_stages", "c_block", "c_programs"):
+    for k in ("a_slices", "b_block_n", "b_warps", "b_stages", "b_k_unroll", "c_block", "c_programs"):
         if not isinstance(t.get(k), int) or isinstance(t.get(k), bool) or t[k] < 1:
             raise ValueError(f"tactics[{k!r}] must be a positive int, got {t.get(k)!r}")
     if t["a_slices"] > _SQ_STRIDE:
@@ -111,7 +112,7 @@ def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl,
     _B.variant(num_warps=t["b_warps"], num_stages=t["b_stages"], pdl=pdl,
                HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"], PAD_BYTES=lay["pad_off"],
                BLOCK_M_=BLOCK_M, BLOCK_N=t["b_block_n"], SWAP_AB=t["b_swap_ab"], USE_TMA=use_tma,
-               MULTICAST=multicast, USE_PDL=pdl)(
+               K_UNROLL=t["b_k_unroll"], MULTICAST=multicast, USE_PDL=pdl)(
         (-(-shard // t["b_block_n"]),), normed, up_weight, rs32, prefix, nd, wd, table, mc, ctrl, rank, M)
 
 

@@ -72,9 +72,10 @@ class LatentTailSpec(Spec):
         # kernel B: the GEMM family's decode tile (no split-K, no GEMV: every B tile gives the same bits)
         if full:
             return {"b_block_n": [16, 32, 64], "b_swap_ab": [True, False], "b_tma": [False, True],
-                    "b_warps": [2, 4, 8], "b_stages": [8, 12, 16, 24, 32], "a_slices": [1, 2, 4, 7, 14, 28],
+                    "b_warps": [2, 4, 8], "b_stages": [8, 12, 16, 24, 32], "b_k_unroll": [1, 2, 4, 7],
+                    "a_slices": [1, 2, 4, 7, 14, 28],
                     "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
-        return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [12, 16, 24],
+        return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [12, 16, 24], "b_k_unroll": [1, 4],
                 "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
