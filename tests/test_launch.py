@@ -172,6 +172,34 @@ def test_variant_fills_constexprs_in_declared_order(monkeypatch):
     assert kern.variant(A=7) is v  # one Variant per set of compile-time values
 
 
+def test_launch_hooks_detected_only_when_installed():
+    """With no profiler, launches take the direct path: Triton 3.5+ keeps an empty ``HookChain`` in
+    ``knobs.runtime`` at all times, which is no hook (a None test sent every launch through Triton's
+    generic dispatcher, issue 19); a hook added to the chain (or set, before 3.5) is one."""
+    from triton import knobs
+
+    rt = knobs.runtime
+    assert not L.launch_hooks_installed(), (rt.launch_enter_hook, rt.launch_exit_hook)
+
+    def hook(metadata):
+        pass
+
+    chain = rt.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert L.launch_hooks_installed()
+        finally:
+            chain.remove(hook)
+    else:  # pragma: no cover - Triton < 3.5
+        rt.launch_enter_hook = hook
+        try:
+            assert L.launch_hooks_installed()
+        finally:
+            rt.launch_enter_hook = chain
+    assert not L.launch_hooks_installed()
+
+
 @pytest.mark.gpu
 def test_variant_launch_equals_tritons_launch():
     """On the GPU a Variant launches the compiled kernel directly: the same results as Triton's own
@@ -190,13 +218,26 @@ def test_variant_launch_equals_tritons_launch():
     x = torch.randn(1000, device="cuda")
     y = torch.randn(1000, device="cuda")
     v = L.kernel(axpy).variant(BLOCK=256)
+    generic = []  # Triton's own dispatch, outside warmup: must not be where a Variant launches
+    run = axpy.run
+
+    def counting_run(*a, warmup=False, **kw):
+        if not warmup:
+            generic.append(1)
+        return run(*a, warmup=warmup, **kw)
+
     for xs, ys, n in ((x, y, 1000), (x[1:], y[1:], 999), (x[16:], y[:984], 984), (x, y, 1)):
         ours = torch.full_like(xs, float("nan"))
         ref = torch.full_like(xs, float("nan"))
-        with warm_only():
+        axpy.run = counting_run
+        try:
+            with warm_only():
+                v((triton.cdiv(n, 256),), xs, ys, ours, n, 2.5)
+            assert torch.isnan(ours).all()  # compiled and loaded, not launched
             v((triton.cdiv(n, 256),), xs, ys, ours, n, 2.5)
-        assert torch.isnan(ours).all()  # compiled and loaded, not launched
-        v((triton.cdiv(n, 256),), xs, ys, ours, n, 2.5)
+        finally:
+            axpy.run = run
+        assert not generic, "the Variant launched through Triton's generic dispatcher"
         axpy[(triton.cdiv(n, 256),)](xs, ys, ref, n, 2.5, BLOCK=256)
         torch.cuda.synchronize()
         assert torch.equal(ours[:n], ref[:n]), n

@@ -84,9 +84,20 @@ except ImportError:  # pragma: no cover - Triton < 3.4 is outside the supported 
     _knobs = None
 
 
-def _hooks_installed() -> bool:
+def _hook_active(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)  # Triton >= 3.5: a HookChain, always there, empty unless added to
+    return bool(calls) if isinstance(calls, list) else True
+
+
+def launch_hooks_installed() -> bool:
+    """Is a Triton launch hook installed (a profiler such as proton)?  Then launches take Triton's own
+    path, which calls it.  Triton 3.5+ keeps an (empty) ``HookChain`` in ``knobs.runtime`` at all times:
+    only a chain with hooks in it counts (testing the attribute for None would send every launch
+    through Triton's generic dispatcher)."""
     rt = _knobs.runtime if _knobs is not None else None
-    return rt is not None and (rt.launch_enter_hook is not None or rt.launch_exit_hook is not None)
+    return rt is not None and (_hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook))
 
 
 class Variant:
@@ -134,7 +145,7 @@ class Variant:
             c = self._compile(sig, grid, args)
         if warm_only_active():
             return None
-        if _hooks_installed():
+        if launch_hooks_installed():
             return k.fn[tuple(grid)](*args, **self.constexprs, **self.options)
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
