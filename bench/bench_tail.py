@@ -174,17 +174,58 @@ def bench_tail_loopback(log, W: int = 8, tactics=None) -> list:
     return rows
 
 
+def plot(doc: dict, png: str, log=print) -> None:
+    """The figure of one results document (kernel B bars, the loopback tail bars)."""
+    figs = doc["figures"]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        kb = figs["kernel_b"]
+        labels = [f"W={r['W']}\nM={r['M']}" for r in kb]
+        x = range(len(kb))
+        axes[0].bar([i - 0.27 for i in x], [r["cublas_us"] for r in kb], 0.27, label="cuBLAS")
+        axes[0].bar(list(x), [r["default_us"] for r in kb], 0.27, label="kernel B (default)")
+        axes[0].bar([i + 0.27 for i in x], [r["best_us"] for r in kb], 0.27, label="kernel B (best)")
+        axes[0].set_xticks(list(x), labels)
+        axes[0].set_ylabel("us per call")
+        axes[0].set_title("Sharded up-projection (weight shard from HBM)")
+        axes[0].legend()
+        tl_ = figs.get("tail_loopback") or []
+        if tl_:
+            x2 = range(len(tl_))
+            axes[1].bar([i - 0.2 for i in x2], [r["composed_us"] for r in tl_], 0.4, label="composed")
+            axes[1].bar([i + 0.2 for i in x2], [r["fused_us"] for r in tl_], 0.4, label="TAIL_FUSION")
+            tuned = ["" if r.get("tactics", "default") == "default" else "\n(tuned B)" for r in tl_]
+            axes[1].set_xticks(list(x2), [f"M={r['M']}{t}" for r, t in zip(tl_, tuned)])
+            axes[1].set_ylabel("us per layer (8 virtual ranks, one GPU)")
+            axes[1].set_title("MoE tail, loopback W=8")
+            axes[1].legend()
+        fig.suptitle(f"{doc['device']}  torch {doc['torch']}  triton {doc['triton']}")
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        log(f"wrote {png}")
+    except Exception as e:
+        log(f"plot skipped: {type(e).__name__}: {e}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--skip-loopback", action="store_true")
     ap.add_argument("--skip-kernel-b", action="store_true", help="only the loopback tail (part 2)")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier results file beside it")
     ap.add_argument("--name", default="bench_tail", help="basename of the JSON and PNG written under --out")
     ap.add_argument("--loopback-tactics", nargs="*", default=[],
                     help="LatentTail tactic dicts (JSON) to measure in the loopback part beside the default")
     ap.add_argument("--baseline", default=None,
                     help="an earlier bench_tail JSON: print this run's loopback TAIL_FUSION times against its own")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_tail needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -223,38 +264,7 @@ def main():
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
     log(f"wrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        kb = figs["kernel_b"]
-        labels = [f"W={r['W']}\nM={r['M']}" for r in kb]
-        x = range(len(kb))
-        axes[0].bar([i - 0.27 for i in x], [r["cublas_us"] for r in kb], 0.27, label="cuBLAS")
-        axes[0].bar(list(x), [r["default_us"] for r in kb], 0.27, label="kernel B (default)")
-        axes[0].bar([i + 0.27 for i in x], [r["best_us"] for r in kb], 0.27, label="kernel B (best)")
-        axes[0].set_xticks(list(x), labels)
-        axes[0].set_ylabel("us per call")
-        axes[0].set_title("Sharded up-projection (weight shard from HBM)")
-        axes[0].legend()
-        tl_ = figs.get("tail_loopback") or []
-        if tl_:
-            x2 = range(len(tl_))
-            axes[1].bar([i - 0.2 for i in x2], [r["composed_us"] for r in tl_], 0.4, label="composed")
-            axes[1].bar([i + 0.2 for i in x2], [r["fused_us"] for r in tl_], 0.4, label="TAIL_FUSION")
-            axes[1].set_xticks(list(x2), [f"M={r['M']}" + ("" if r["tactics"] == "default" else "\n(tuned B)")
-                                          for r in tl_])
-            axes[1].set_ylabel("us per layer (8 virtual ranks, one GPU)")
-            axes[1].set_title("MoE tail, loopback W=8")
-            axes[1].legend()
-        fig.suptitle(f"{doc['device']}  torch {doc['torch']}  triton {doc['triton']}")
-        fig.tight_layout()
-        png = os.path.join(args.out, f"{args.name}.png")
-        fig.savefig(png, dpi=120)
-        log(f"wrote {png}")
-    except Exception as e:
-        log(f"plot skipped: {type(e).__name__}: {e}")
+    plot(doc, os.path.join(args.out, f"{args.name}.png"), log)
 
 
 if __name__ == "__main__":
