@@ -472,32 +472,53 @@ def tma_ok(a, w) -> bool:
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 for t in (a, w))
 
 
+def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool) -> tuple:
+    """The fixed part of a launch of tactic ``t``: ``(kernel, kwargs)`` with every compile-time value
+    (constexprs, ``num_warps``, ``num_stages``).  It depends on the tactic, K and which epilogue
+    operands exist, not on the tensors: a launcher computes it once per (tactic, K, epilogue) and
+    only :func:`gemm_runtime_args` per call."""
+    kw = dict(K=K, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
+              SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1), HAS_PREFIX=bool(has_prefix),
+              HAS_SHSUM=bool(has_shared), num_warps=t["warps"], num_stages=t["stages"])
+    if t["variant"] == "ptr":
+        return gemm_kernel, kw
+    assert t["variant"] == "tma", t["variant"]
+    kw.update(FLATTEN=bool(t.get("flatten")), WARP_SPEC=bool(t.get("warp_spec")))
+    return gemm_tma_kernel, kw
+
+
+def gemm_runtime_args(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132) -> tuple:
+    """The per-call part of a launch of tactic ``t``: ``(grid, args)`` (the runtime arguments in the
+    kernel's order; the tma variant builds its two host ``TensorDescriptor`` objects here)."""
+    M, K = a.shape
+    N = w.shape[0]
+    pf = prefix if prefix is not None else out  # never read (HAS_PREFIX / HAS_SHSUM False)
+    sh = shared if shared is not None else out
+    g = grid(M, N, t, num_sms)
+    tail = (pf.stride(0), pf.stride(1), sh.stride(0), sh.stride(1), out.stride(0), out.stride(1))
+    if t["variant"] == "ptr":
+        return g, (a, w, pf, sh, out, M, N, a.stride(0), a.stride(1), w.stride(0), w.stride(1)) + tail
+    assert t["variant"] == "tma" and tma_ok(a, w), "tma variant needs unit K stride and 16-byte alignment"
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [t["block_m"], BLOCK_K.value])
+    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [t["block_n"], BLOCK_K.value])
+    return g, (a_desc, w_desc, pf, sh, out, M, N, g[0]) + tail
+
+
 def gemm_launch(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132):
     """Reference launch of one tactic ``t`` (keys :data:`TACTIC_KEYS`) for ``out = round((prefix +
     a @ w^T) + shared)``, as ``(kernel, grid, args, kwargs)``: run it with
     ``kernel[grid](*args, **kwargs)`` (:func:`launch_gemm`).  No validation beyond asserts (the
     package launcher in k3tail/ops owns that); ``num_sms`` sizes a persistent grid.  The tma
     variant builds host ``TensorDescriptor`` objects (filled into CUtensorMaps at launch; a
-    CUDA graph captures them by value)."""
+    CUDA graph captures them by value).  :func:`gemm_compile_time` + :func:`gemm_runtime_args`."""
     M, K = a.shape
     N = w.shape[0]
     assert w.shape[1] == K and tuple(out.shape) == (M, N) and a.dtype == w.dtype
-    pf = prefix if prefix is not None else out  # never read (HAS_PREFIX / HAS_SHSUM False)
-    sh = shared if shared is not None else out
-    kw = dict(K=K, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
-              SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1), HAS_PREFIX=prefix is not None,
-              HAS_SHSUM=shared is not None, num_warps=t["warps"], num_stages=t["stages"])
-    g = grid(M, N, t, num_sms)
-    tail = (pf.stride(0), pf.stride(1), sh.stride(0), sh.stride(1), out.stride(0), out.stride(1))
-    if t["variant"] == "ptr":
-        return gemm_kernel, g, (a, w, pf, sh, out, M, N, a.stride(0), a.stride(1), w.stride(0), w.stride(1)) + tail, kw
-    assert t["variant"] == "tma" and tma_ok(a, w), "tma variant needs unit K stride and 16-byte alignment"
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [t["block_m"], BLOCK_K.value])
-    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [t["block_n"], BLOCK_K.value])
-    kw.update(FLATTEN=bool(t.get("flatten")), WARP_SPEC=bool(t.get("warp_spec")))
-    return gemm_tma_kernel, g, (a_desc, w_desc, pf, sh, out, M, N, g[0]) + tail, kw
+    kernel, kw = gemm_compile_time(t, K, prefix is not None, shared is not None)
+    g, args = gemm_runtime_args(t, a, w, out, prefix, shared, num_sms=num_sms)
+    return kernel, g, args, dict(kw)
 
 
 def launch_gemm(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132):

@@ -80,6 +80,7 @@ class Projector:
         self._buckets = [(top, resolved[key]) for key, top in BUCKETS]
         self._ptr = {id(t): {**t, "variant": "ptr", "persistent": False, "flatten": False, "warp_spec": False}
                      for _, t in self._buckets}
+        self._variants: dict = {}  # (id(tactic), K, has prefix, has shared) -> launch Variant
 
     def tactic_for(self, M: int) -> dict:
         for top, t in self._buckets:
@@ -133,10 +134,16 @@ class Projector:
         t = self.tactic_for(M)
         if t["variant"] == "tma" and not G.tma_ok(normed, up_weight):
             t = self._ptr[id(t)]
+        key = (id(t), K, prefix_hidden is not None, shared_sum is not None)
+        variant = self._variants.get(key)
+        if variant is None:  # the compile-time part, once per (tactic, K, epilogue operands)
+            kernel, kw = G.gemm_compile_time(t, K, prefix_hidden is not None, shared_sum is not None)
+            kw = dict(kw)
+            warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+            variant = self._variants[key] = L.kernel(kernel).variant(num_warps=warps, num_stages=stages, **kw)
         sms = L.sm_count(dev) if dev.type == "cuda" else 1
-        kernel, grid, args, kw = G.gemm_launch(t, normed, up_weight, out, prefix_hidden, shared_sum, num_sms=sms)
-        warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
-        L.kernel(kernel).variant(num_warps=warps, num_stages=stages, **kw)(grid, *args)
+        grid, args = G.gemm_runtime_args(t, normed, up_weight, out, prefix_hidden, shared_sum, num_sms=sms)
+        variant(grid, *args)
         return out
 
 
