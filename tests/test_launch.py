@@ -200,6 +200,16 @@ def test_launch_hooks_detected_only_when_installed():
     assert not L.launch_hooks_installed()
 
 
+def test_triton_dispatch_switch(monkeypatch):
+    """``K3TAIL_TRITON_DISPATCH=1`` sends launches through Triton's dispatcher; unset or 0, the direct path."""
+    monkeypatch.delenv(L.ENV_TRITON_DISPATCH, raising=False)
+    assert not L.generic_dispatch()
+    monkeypatch.setenv(L.ENV_TRITON_DISPATCH, "0")
+    assert not L.generic_dispatch()
+    monkeypatch.setenv(L.ENV_TRITON_DISPATCH, "1")
+    assert L.generic_dispatch()
+
+
 @pytest.mark.gpu
 def test_variant_launch_equals_tritons_launch():
     """On the GPU a Variant launches the compiled kernel directly: the same results as Triton's own

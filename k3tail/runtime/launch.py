@@ -20,7 +20,10 @@ The Triton-version shim is this file alone (tested with Triton 3.6 through 3.9, 
   the kernel marks it ``do_not_specialize``, by ``== 1`` and ``% 16 == 0``; a bool, a float and
   None by their type.  :func:`spec_key` mirrors it; ``tests/test_launch.py`` checks it against
   the installed Triton's own function.
-* When a launch hook is installed (a profiler such as proton), calls take Triton's own path.
+* When a launch hook is installed (a profiler such as proton), calls take Triton's own path, and so
+  do they with ``K3TAIL_TRITON_DISPATCH=1`` (the escape hatch should a Triton release change any of
+  the above).  Triton 3.5+ keeps an empty ``HookChain`` in ``knobs.runtime`` at all times: only a
+  chain with hooks in it is a hook (:func:`launch_hooks_installed`).
 
 Loading a module while another virtual rank's kernel spins can hang the process (TRITON_NOTES 2),
 so a variant is compiled and loaded on first use, before it launches, and inside
@@ -91,6 +94,17 @@ def _hook_active(hook) -> bool:
     return bool(calls) if isinstance(calls, list) else True
 
 
+ENV_TRITON_DISPATCH = "K3TAIL_TRITON_DISPATCH"  # "1": every launch through Triton's own dispatcher
+
+
+def generic_dispatch() -> bool:
+    """Do launches take Triton's own path (``kernel[grid](...)``)?  When a launch hook is installed
+    (:func:`launch_hooks_installed`), or when ``K3TAIL_TRITON_DISPATCH=1`` asks for it: the escape
+    hatch should a Triton release change what :meth:`Variant.__call__` relies on (read per launch,
+    so a process can switch it at any time; the bits do not change, only the host time)."""
+    return launch_hooks_installed() or os.environ.get(ENV_TRITON_DISPATCH, "0") not in ("", "0")
+
+
 def launch_hooks_installed() -> bool:
     """Is a Triton launch hook installed (a profiler such as proton)?  Then launches take Triton's own
     path, which calls it.  Triton 3.5+ keeps an (empty) ``HookChain`` in ``knobs.runtime`` at all times:
@@ -145,7 +159,7 @@ class Variant:
             c = self._compile(sig, grid, args)
         if warm_only_active():
             return None
-        if launch_hooks_installed():
+        if generic_dispatch():
             return k.fn[tuple(grid)](*args, **self.constexprs, **self.options)
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1

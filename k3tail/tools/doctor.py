@@ -22,7 +22,8 @@ from k3tail.tiers import Tier, caps_summary
 from k3tail.tools.options import DTYPES, UsageError, add_shape_arguments, non_negative_int, positive_int
 
 ENV_SWITCHES = ("K3TAIL_DISABLE_LATENT_TAIL", "K3TAIL_DISABLE_FUSED_AR", "K3TAIL_DISABLE_PDL",
-                "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS")
+                "K3TAIL_TRITON_DISPATCH", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE",
+                "NVSHMEM_DISABLE_NVLS")
 
 
 def add_arguments(parser):
