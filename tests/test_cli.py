@@ -742,6 +742,31 @@ def test_demo_prints_a_verdict_and_units(verbose_demo):
     assert not any("graph" in r for r in rows) and any(" decode " in r for r in rows), rows
     legend = "\n".join(text[text.index(verdict[0]):])
     assert "Triton's interpreter" in legend and "bias" in legend and "graph_phase=True" in legend
+    # batch invariance on the demo's own tokens (issue 21): its own line after the verdict
+    inv = next(s for s in text[text.index(verdict[0]):] if s.startswith("batch invariance:"))
+    assert inv.startswith("batch invariance: OK: tokens 0 and 15 of the M=16 batch, alone (M=1: TAIL_FUSION"), inv
+
+
+def test_demo_invariance_check_sees_one_flipped_bit():
+    """The demo's batch-invariance line compares bits: one output one ulp off, on one rank, is NOT OK."""
+    from k3tail.tools import demo
+
+    H = 8
+    def rank(flip):
+        row = torch.randn(1, H).to(torch.bfloat16)
+        batch = torch.cat([row, torch.randn(2, H).to(torch.bfloat16), row]).clone()
+        d = {3: {"results": {"FUSED_LANE_AR": (batch, 0.1), "SEPARATE_REDUCE": (batch.clone(), 0.1),
+                             "standalone op": (torch.zeros(4, 2), 0.1)}},
+             "alone": {"M": 4, "rows": {(0, "FUSED_LANE_AR"): row, (3, "FUSED_LANE_AR"): row.clone()}}}
+        d[4] = d.pop(3)
+        if flip:
+            d[4]["results"]["SEPARATE_REDUCE"][0].view(torch.int16)[3, 5] += 1
+        return d
+
+    ok, line = demo.batch_invariance([rank(False), rank(False)], 2)
+    assert ok and line.startswith("batch invariance: OK") and "8 comparisons" in line, line
+    ok, line = demo.batch_invariance([rank(False), rank(True)], 2)
+    assert not ok and "rank 1 token 3: M=4 SEPARATE_REDUCE differs from alone FUSED_LANE_AR in 1 outputs" in line, line
 
 
 def test_tune_writes_the_user_table_by_default_and_says_where(monkeypatch, tmp_path, capsys):

@@ -123,16 +123,27 @@ class Progress:
 def _config(shape, tokens, W):
     from k3tail.config import TailConfig
 
-    # every rank holds its rows of W_up where hidden splits into W shards of multiples of 8, else all of it
-    return TailConfig(max_tokens=max(tokens), shard_up_proj=shape["hidden"] % (8 * W) == 0, **shape)
+    # the default config: every rank holds its rows of W_up (uneven where W does not divide hidden)
+    return TailConfig(max_tokens=max(tokens), **shape)
 
 
 def _inputs(shape, M, W, rank, seed, device, shard):
+    from k3tail.ops.prefill import shard_bounds
+
     prefix, gamma, up, shared, rt = tail_inputs(M=M, W=W, rank=rank, form="triple", seed=seed,
                                                 device=device, **shape)
-    rows = shape["hidden"] // W
-    up = up[rank * rows:(rank + 1) * rows].contiguous() if shard else up
+    if shard:
+        b = shard_bounds(shape["hidden"], W)
+        up = up[b[rank]:b[rank + 1]].contiguous()
     return dict(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
+
+
+def _alone(ins, pos):
+    """Token ``pos`` of a batch's inputs as a batch of one (its expert rows stay where they are)."""
+    one = dict(ins)
+    for k in ("prefix_hidden", "shared", "expert_weights", "expanded_idx"):
+        one[k] = ins[k][pos:pos + 1]
+    return one
 
 
 def _fused_op(op, ins):
@@ -165,7 +176,22 @@ def _run_all(mod, fused, tokens, make_inputs, call, sync, step: Callable[[str], 
         results[demo_report.STANDALONE], paths[demo_report.STANDALONE] = (o, time.perf_counter() - t0), "latent"
         out[M] = {"results": results, "paths": paths, "skipped": skipped, "eager": mod.tier_for(M, False).name,
                   "graph": mod.tier_for(M, True).name}
+    # batch invariance on the demo's own tokens (DESIGN §10): the first and last token of the largest
+    # batch, each alone (M = 1) in every tier possible there; compared with their rows in the batch
+    big = max(tokens)
+    ins = make_inputs(big)
+    alone = {}
+    for pos in sorted({0, big - 1}):
+        for tier in Tier:
+            if mod.why_not(tier, 1) is None:
+                step(f"batch invariance: token {pos} of M={big} alone in {tier.name}")
+                alone[(pos, tier.name)] = sync(call(tier, _alone_all(ins, pos)))
+    out["alone"] = {"M": big, "rows": alone}
     return out
+
+
+def _alone_all(ins, pos):
+    return [_alone(x, pos) for x in ins] if isinstance(ins, list) else _alone(ins, pos)
 
 
 def _rank_main(rank, W, shape, tokens, seed, device="cpu", step_path=None):
@@ -211,8 +237,9 @@ def _loopback_main(W, shape, tokens, seed, step):
     res = _run_all(mods[0], lambda ins: world.run(lambda r: _fused_op(fused[r], ins[r])), tokens,
                    lambda M: [_inputs(shape, M, W, r, seed, world.device, cfg.shard_up_proj) for r in range(W)],
                    lambda tier, ins: world.run(lambda r: mods[r](**ins[r], tier=tier)), sync, step)
-    return [{M: {**v, "results": {k: (o[r], s) for k, (o, s) in v["results"].items()}} for M, v in res.items()}
-            for r in range(W)]
+    alone = res.pop("alone")
+    return [{**{M: {**v, "results": {k: (o[r], s) for k, (o, s) in v["results"].items()}} for M, v in res.items()},
+             "alone": {"M": alone["M"], "rows": {k: o[r] for k, o in alone["rows"].items()}}} for r in range(W)]
 
 
 # ------------------------------------------------------------------------------ the verdict
@@ -250,6 +277,36 @@ def _rows(per_rank, shape, tokens, W, seed, step):
                 rows.append(demo_report.check_tail(out, r64, slack=slack, floor=floor,
                                                    sep=None if name == "SEPARATE_REDUCE" else sep, **row))
     return rows
+
+
+def batch_invariance(per_rank, W) -> tuple:
+    """``(ok, line)``: are the probed tokens' rows the same bits alone (M = 1, every tier possible
+    there) as in the largest batch (every tier run there), on every rank?"""
+    from k3tail.tiers import Tier
+
+    probe = per_rank[0]["alone"]
+    big = probe["M"]
+    batch = per_rank[0][big]["results"]
+    tiers_batch = [n for n in batch if n != demo_report.STANDALONE]
+    tiers_alone = [t.name for t in Tier if any(name == t.name for _, name in probe["rows"])]
+    bad, n = [], 0
+    for r in range(W):
+        rows = per_rank[r]["alone"]["rows"]
+        res = per_rank[r][big]["results"]
+        for pos in sorted({p for p, _ in rows}):
+            cands = [(f"alone {t}", rows[(pos, t)][0]) for t in tiers_alone]
+            cands += [(f"M={big} {t}", res[t][0][pos]) for t in tiers_batch]
+            first_what, first = cands[0]
+            for what, row in cands[1:]:
+                n += 1
+                if not torch.equal(row.view(torch.int16), first.view(torch.int16)):
+                    diff = int((row.view(torch.int16) != first.view(torch.int16)).sum())
+                    bad.append(f"rank {r} token {pos}: {what} differs from {first_what} in {diff} outputs")
+    where = (f"tokens {' and '.join(map(str, sorted({p for p, _ in probe['rows']})))} of the M={big} batch, alone "
+             f"(M=1: {', '.join(tiers_alone)}) and in the batch ({', '.join(tiers_batch)})")
+    if bad:
+        return False, f"batch invariance: NOT OK: {where}: {'; '.join(bad[:4])}"
+    return True, f"batch invariance: OK: {where}: the same bits in all {n} comparisons, on every rank"
 
 
 def _not_run(res, tokens) -> list:
@@ -325,8 +382,9 @@ def main(args) -> int:
         rows = _rows(per_rank, shape, tokens, W, args.seed, progress.step)
     unit, label = _time_label(args)
     say("")
+    inv_ok, inv_line = batch_invariance(per_rank, W)
     for line in demo_report.render(rows, world_size=W, time_unit=unit, time_label=label,
-                                   not_run=_not_run(per_rank[0], tokens)):
+                                   not_run=_not_run(per_rank[0], tokens), extra=[inv_line]):
         say(line)
     say(f"total {time.perf_counter() - t_start:.1f} s")
-    return 0 if demo_report.all_ok(rows) else 1
+    return 0 if demo_report.all_ok(rows) and inv_ok else 1

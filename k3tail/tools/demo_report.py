@@ -189,8 +189,9 @@ def _note(r: Row) -> str:
 
 
 def render(rows: List[Row], *, world_size: int, time_unit: str, time_label: str,
-           not_run: Sequence[str] = ()) -> List[str]:
-    """The table, the overall verdict, the notes, ``not_run`` (lines) and how to read the columns."""
+           not_run: Sequence[str] = (), extra: Sequence[str] = ()) -> List[str]:
+    """The table, the overall verdict, ``extra`` verdict lines (the batch-invariance check), the notes,
+    ``not_run`` (lines) and how to read the columns."""
     letters = iter(string.ascii_lowercase + string.ascii_uppercase)
     by_text: Dict[tuple, List[Row]] = {}
     for r in rows:
@@ -231,6 +232,8 @@ def render(rows: List[Row], *, world_size: int, time_unit: str, time_label: str,
                    + (f" ({allowed} within the allowances the notes explain)" if allowed else "")
                    + " and within 2 ulp of SEPARATE_REDUCE's")
     lines += ["", *textwrap.wrap(verdict, width=118, subsequent_indent="  ")]
+    for e in extra:
+        lines += textwrap.wrap(e, width=118, subsequent_indent="  ")
     if notes:
         lines += ["notes:", *notes]
     lines += list(not_run)
