@@ -36,8 +36,7 @@ only waits for items that the peers' program p handles in the same order.
 import triton
 import triton.language as tl
 
-from .lamport import (NO_RANK_C, arm, canonicalize, check_start, fault_record, finish_launch, first_armed_src,
-                      now_ns, peer_ptr, post_fault, rearm, round_to, settle, wait_slots)
+from .lamport import arm, await_slots, canonicalize, finish_launch, now_ns, peer_ptr, rearm, round_to, start_gate
 from .numerics import rank_sum64
 
 
@@ -66,12 +65,8 @@ def oneshot_allreduce_kernel(
     my_base = peer_ptr(table_ptr, rank, DTYPE)
     my_tags = (tl.load(table_ptr + rank) + TAG_OFF).to(tl.pointer_type(tl.int32))
     n_items = M * CHUNKS
-    go = check_start(fault_ptr, host_flag_ptr)
-    if go:
-        if tl.load(status_ptr) != 0:  # the finalize that produced x met an index out of range
-            post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
-            go = False
-    if go:
+    # the finalize that produced x may have met an index out of range (status): then publish nothing
+    if start_gate(fault_ptr, ftab_ptr, host_flag_ptr, status_ptr, tag, rank, W):
         # Phase 1: publish every item this program owns (stores are fire-and-forget, so
         # the polls of phase 2 overlap with the peers' pushes).  Program p of every rank
         # owns the same items, so under the interpreter program p only waits for what the
@@ -100,13 +95,8 @@ def oneshot_allreduce_kernel(
             rows = stage * STAGE_ELEMS + srcs[:, None] * SLOT + t * WIDTH + col[None, :]
             rmask = smask[:, None] & cmask[None, :]
             tptrs = my_tags + ((stage * W + srcs) * MAX_TOKENS + t) * CHUNKS + c
-            state = wait_slots(my_base + rows, rmask, tptrs, smask, tag, fault_ptr, clock_ptr, deadline,
-                               USE_GLOBALTIMER)
-            missing = rank * 0 + NO_RANK_C
-            if state == 1:
-                missing = first_armed_src(my_base + rows, rmask, tptrs, smask)
-            ok = settle(state, tptrs, smask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W)
-            if ok:
+            if await_slots(my_base + rows, rmask, tptrs, smask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr,
+                           deadline, rank, W, USE_GLOBALTIMER):
                 acc = rank_sum64(my_base + stage * STAGE_ELEMS + t * WIDTH + col, SLOT, cmask, W)
                 tl.store(out_ptr + t * WIDTH + col, round_to(acc.to(tl.float32), DTYPE), mask=cmask)
                 rearm(my_base + rows, rmask, DTYPE)  # barrier first: every thread has read

@@ -72,7 +72,7 @@ Torch twins: ``k3tail.exchange.reference_gather_cols`` (the gather); the barrier
 import triton
 import triton.language as tl
 
-from .lamport import NO_RANK_C, check_start, fault_record, is_poisoned, note_fault, now_ns, peer_ptr, post_fault
+from .lamport import NO_RANK_C, fault_record, is_poisoned, note_fault, now_ns, peer_ptr, post_fault, start_gate
 
 CTRL_EPOCH = 4  # lamport.CTRL_USER: this rank's barrier epoch
 
@@ -92,12 +92,8 @@ def barrier_kernel(table_ptr, ctrl_ptr, fault_ptr, ftab_ptr, host_flag_ptr, cloc
                    USE_GLOBALTIMER: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are complete and visible
-    go = check_start(fault_ptr, host_flag_ptr)
-    if go:
-        if tl.load(status_ptr) != 0:  # the finalize before this barrier met an index out of range
-            post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
-            go = False
-    if go:
+    # the finalize before this barrier may have met an index out of range (status): then post INDEX
+    if start_gate(fault_ptr, ftab_ptr, host_flag_ptr, status_ptr, tag, rank, W):
         deadline = now_ns(clock_ptr, USE_GLOBALTIMER) + timeout_ns
         epoch = tl.load(ctrl_ptr + CTRL_EPOCH_, volatile=True) + 1
         tl.store(ctrl_ptr + CTRL_EPOCH_, epoch)

@@ -90,8 +90,8 @@ World size 1 has no fault word: an index out of range there is skipped (never re
 import triton
 import triton.language as tl
 
-from .lamport import (NO_RANK_C, arm, canonicalize, check_start, fault_record, finish_launch, first_armed_src,
-                      idx_in_range, now_ns, post_fault, rearm, round_to, settle, wait_slots)
+from .lamport import (arm, await_slots, canonicalize, check_start, fault_record, finish_launch, idx_in_range, now_ns,
+                      post_fault, rearm, round_to)
 from .numerics import rank_sum64, rms_rstd, routed32, sq64
 
 
@@ -160,18 +160,6 @@ def _normalize_row(t64, rstd, scratch_ptr, gamma_ptr, normed_ptr, WIDTH: tl.cons
         cmask = col < WIDTH
         s = tl.load(scratch_ptr + t64 * WIDTH + col, mask=cmask, other=0.0, volatile=True)
         _normalize_chunk(s, t64, col, cmask, rstd, gamma_ptr, normed_ptr, WIDTH, DTYPE)
-
-
-@triton.jit
-def _wait(rows, rmask, tptrs, tmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr, deadline, rank,
-          W: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
-    """Poll one chunk's W slot rows and tag slots; 1 when every source arrived with this call's
-    tag, else 0 (the fault is posted or mirrored: ``lamport.settle``)."""
-    state = wait_slots(rows, rmask, tptrs, tmask, tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
-    missing = rank * 0 + NO_RANK_C
-    if state == 1:
-        missing = first_armed_src(rows, rmask, tptrs, tmask)
-    return settle(state, tptrs, tmask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "G", "tag", "R"])
@@ -294,8 +282,8 @@ def finalize_ar_norm_kernel(
                             rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + col[None, :]
                         tptrs = my_tags + tag_rows + c
                         if ok:
-                            ok = _wait(rows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr,
-                                       deadline, rank, W, USE_GLOBALTIMER)
+                            ok = await_slots(rows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr,
+                                             clock_ptr, deadline, rank, W, USE_GLOBALTIMER)
                         if ok:
                             if SLOT32:
                                 s = rank_sum64(my32 + stage * STAGE32 + t64 * WIDTH + col, SLOT32_SRC, cmask, W)
@@ -320,8 +308,8 @@ def finalize_ar_norm_kernel(
                         rows = my16 + stage * STAGE16 + srcs[:, None] * SLOT16_SRC + t64 * ROW16 + WIDTH + col[None, :]
                         tptrs = my_tags + tag_rows + CHUNKS + c
                         if ok:
-                            ok = _wait(rows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr,
-                                       deadline, rank, W, USE_GLOBALTIMER)
+                            ok = await_slots(rows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr,
+                                             clock_ptr, deadline, rank, W, USE_GLOBALTIMER)
                         if ok:
                             v = rank_sum64(my16 + stage * STAGE16 + t64 * ROW16 + WIDTH + col, SLOT16_SRC,
                                            cmask, W)

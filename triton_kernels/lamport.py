@@ -280,6 +280,32 @@ def first_armed_src(ptrs, mask, tag_ptrs, tag_mask):
 
 
 @triton.jit
+def await_slots(ptrs, mask, tag_ptrs, tag_mask, tag, fault_ptr, ftab_ptr, host_flag_ptr, clock_ptr, deadline, rank,
+                W: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+    """One bounded wait of a consumer: :func:`wait_slots`, then :func:`settle` (a timeout names the
+    first source still armed, :func:`first_armed_src`).  1 (int32) when every source arrived with
+    this call's tag, else 0 (the fault is posted or mirrored)."""
+    state = wait_slots(ptrs, mask, tag_ptrs, tag_mask, tag, fault_ptr, clock_ptr, deadline, USE_GLOBALTIMER)
+    missing = rank * 0 + NO_RANK_C
+    if state == 1:
+        missing = first_armed_src(ptrs, mask, tag_ptrs, tag_mask)
+    return settle(state, tag_ptrs, tag_mask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W).to(tl.int32)
+
+
+@triton.jit
+def start_gate(fault_ptr, ftab_ptr, host_flag_ptr, status_ptr, tag, rank, W: tl.constexpr):
+    """At the start of a launch that publishes what a finalize produced: True when the group is
+    healthy (:func:`check_start`) and the finalize's ``status`` word is clear; a set word (an index
+    out of range) posts an INDEX fault naming this rank instead, so the launch publishes nothing."""
+    go = check_start(fault_ptr, host_flag_ptr)
+    if go:
+        if tl.load(status_ptr) != 0:
+            post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
+            go = False
+    return go
+
+
+@triton.jit
 def idx_in_range(idx_ptr, t64, R, TOP_K: tl.constexpr):
     """Does every slot of token ``t64``'s ``expanded_idx`` row lie in ``[-1, R)``?  The finalize
     kernels check this before ``numerics.finalize32`` reads any expert row, so an index out of

@@ -113,7 +113,7 @@ into any mailbox) once the fault word is set (B reads it as its ``ctrl_ptr``).  
 import triton
 import triton.language as tl
 
-from .lamport import (NO_RANK_C, arm, canonicalize, check_start, fault_record, first_armed_src, idx_in_range, now_ns,
+from .lamport import (NO_RANK_C, arm, await_slots, canonicalize, check_start, fault_record, idx_in_range, now_ns,
                       post_fault, rearm, round_to, settle, shard_of, shard_owner, wait_slots)
 from .numerics import finalize32, rank_sum64, rms_rstd, sq64
 from .tail_fusion_b import tail_b_kernel  # noqa: F401 - kernel B, re-exported
@@ -191,13 +191,8 @@ def tail_a_kernel(
                 rrows = (t * W + srcs[:, None]) * LATENT + col[None, :]
                 rmask = wmask[:, None] & lmask[None, :]
                 tptrs = my_tags + (t * W + srcs) * SQ_STRIDE + s
-                state = wait_slots(my_routed + rrows, rmask, tptrs, wmask, tag, fault_ptr, clock_ptr, deadline,
-                                   USE_GLOBALTIMER)
-                missing = rank * 0 + NO_RANK_C
-                if state == 1:
-                    missing = first_armed_src(my_routed + rrows, rmask, tptrs, wmask)
-                ok = settle(state, tptrs, wmask, tag, missing, ftab_ptr, fault_ptr, host_flag_ptr, rank, W)
-                if ok:
+                if await_slots(my_routed + rrows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr,
+                               clock_ptr, deadline, rank, W, USE_GLOBALTIMER):
                     acc = rank_sum64(my_routed + t * W * LATENT + col, LATENT, lmask, W).to(tl.float32)
                     tl.store(sum_ptr + t * LATENT + col, acc, mask=lmask)
                     tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(sq64(acc)))  # fp64 statistic
@@ -209,13 +204,8 @@ def tail_a_kernel(
                     srows = (t * W + srcs[:, None]) * SHARD + cs[None, :]
                     sm2 = wmask[:, None] & smask[None, :]
                     no_tag = srcs < 0
-                    state2 = wait_slots(my_rs + srows, sm2, tptrs, no_tag, tag, fault_ptr, clock_ptr, deadline,
-                                        USE_GLOBALTIMER)
-                    missing2 = rank * 0 + NO_RANK_C
-                    if state2 == 1:
-                        missing2 = first_armed_src(my_rs + srows, sm2, tptrs, no_tag)
-                    ok2 = settle(state2, tptrs, no_tag, tag, missing2, ftab_ptr, fault_ptr, host_flag_ptr, rank, W)
-                    if ok2:
+                    if await_slots(my_rs + srows, sm2, tptrs, no_tag, tag, fault_ptr, ftab_ptr, host_flag_ptr,
+                                   clock_ptr, deadline, rank, W, USE_GLOBALTIMER):
                         sacc = rank_sum64(my_rs + t * W * SHARD + cs, SHARD, smask, W)
                         tl.store(rs32_ptr + t * n_own + cs, sacc.to(tl.float32), mask=smask)
                         rearm(my_rs + srows, sm2, DTYPE)
