@@ -96,6 +96,19 @@ def _check_tactics(t: dict) -> None:
             raise ValueError(f"tactics[{k!r}] must be a bool, got {t.get(k)!r}")
 
 
+def resolve_tactics(tactics: Optional[dict], *, hidden: int, latent: int, W: int, device: torch.device) -> dict:
+    """:func:`default_tactics` with ``tactics`` (a partial dict) over them, checked; ValueError names an
+    unknown key or a bad value."""
+    t = default_tactics(hidden=hidden, latent=latent, W=W, device=device)
+    if tactics:
+        unknown = set(tactics) - set(t)
+        if unknown:
+            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(t)})")
+        t.update(tactics)
+    _check_tactics(t)
+    return t
+
+
 def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl, rank: int, *,
               hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
     """Kernel B: one program per ``b_block_n`` shard rows.  With ``b_tma`` (and TMA-able operands:
@@ -264,14 +277,7 @@ class LatentTail:
         self._set = self._acquire_set(dev)
         self.ws = self._set.ws
         self.device = self.ws.device
-        t = default_tactics(hidden=hidden, latent=latent, W=W, device=self.device)
-        if tactics:
-            unknown = set(tactics) - set(t)
-            if unknown:
-                raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(t)})")
-            t.update(tactics)
-        _check_tactics(t)
-        self.tactics = t
+        self.tactics = resolve_tactics(tactics, hidden=hidden, latent=latent, W=W, device=self.device)
 
     @property
     def slot_set(self):
@@ -421,13 +427,7 @@ def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[t
         out = torch.empty(M, N, dtype=normed.dtype, device=normed.device)
     check_tensor("out", out, dtype=normed.dtype, device=normed.device, ndim=2, shape=(M, N))
     dev = normed.device
-    t = default_tactics(hidden=N, latent=Lt, W=1, device=dev)
-    if tactics:
-        unknown = set(tactics) - set(t)
-        if unknown:
-            raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(t)})")
-        t.update(tactics)
-    _check_tactics(t)
+    t = resolve_tactics(tactics, hidden=N, latent=Lt, W=1, device=dev)
     k = (out.data_ptr(), M, N, Lt, normed.dtype, dev)
     h = _standalone.get(k)
     if h is None:
