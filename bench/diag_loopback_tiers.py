@@ -150,7 +150,7 @@ def main() -> int:
                 if not args.skip_tiers:
                     all_ok &= tiers(world, mods, M, seed=M + 7 * rep)
         print(f"W={W}: {time.monotonic() - t0:.1f} s", flush=True)
-        del mods, world
+
     print("ALL OK" if all_ok else "SOME BAD", flush=True)
     return 0 if all_ok else 1
 
