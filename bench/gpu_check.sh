@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_check.sh tests            # every GPU test (phases t1 t2 t3 below, in order)
 #   bash bench/gpu_check.sh t1 prefill       # named phases: t1 t2 t3 (the GPU tests in three parts),
-#                                            # prefill, bench, tiermap, tune, cli, pairing, invariance,
+#                                            # prefill, bench, tiermap, tune, cli, pairing, sweep, invariance,
 #                                            # w8 (loopback W = 8 latency vs bench_tail.json), profile
 #   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
 #   commit being measured, or the result files record the wrong one)
@@ -56,6 +56,7 @@ for phase in $phases; do
       echo "== k3tail tune"; timeout ${TUNE_TIMEOUT:-250} k3tail -v tune 2>&1 | tee -a "$OUT/cli.log" | tail -20
       echo "== k3tail bench"; timeout ${CLI_BENCH_TIMEOUT:-280} k3tail -v bench 2>&1 | tee -a "$OUT/cli.log" | tail -30 ;;
     pairing) run_tests pairing tests/test_pairing.py ;;   # issue 20: uneven W = 3/6, process-path faults, soak
+    sweep) run_tests sweep tests/test_loopback_sweep.py ;;   # issue 28: loopback W = 2..8, every launch boundary
     invariance) run_tests invariance ${TESTS:-tests/test_invariance.py} ;;   # issue 21
     w8)  # issue 20's latency check: loopback W = 8 TAIL_FUSION against the committed bench_tail.json
       echo "== bench_tail loopback"; timeout ${W8_TIMEOUT:-120} python3 bench/bench_tail.py --skip-kernel-b \
