@@ -72,7 +72,7 @@ Torch twins: ``k3tail.exchange.reference_gather_cols`` (the gather); the barrier
 import triton
 import triton.language as tl
 
-from .lamport import NO_RANK_C, fault_record, is_poisoned, note_fault, now_ns, peer_ptr, post_fault, start_gate
+from .lamport import NO_RANK_C, cta_any, fault_record, is_poisoned, note_fault, now_ns, peer_ptr, post_fault, start_gate
 
 CTRL_EPOCH = 4  # lamport.CTRL_USER: this rank's barrier epoch
 
@@ -105,11 +105,12 @@ def barrier_kernel(table_ptr, ctrl_ptr, fault_ptr, ftab_ptr, host_flag_ptr, cloc
         mine = peer_ptr(table_ptr, rank, tl.int64) + srcs  # the local flags only
         # The loop carries only a scalar (TRITON_NOTES 1); signed 32-bit difference: wrap-safe.
         state = 3  # 3 pending, 0 passed, 1 deadline, 2 fault word set
-        while state > 2:
+        while state > 2:  # every branch a CTA-wide vote: the warps' copies of the flags may differ (lamport.py)
             v = tl.load(mine, mask=smask, other=0, volatile=True)
-            behind = tl.sum(((v.to(tl.int32) - epoch < 0) & smask).to(tl.int32))
-            late = now_ns(clock_ptr, USE_GLOBALTIMER) > deadline
-            state = tl.where(behind == 0, 0, tl.where(is_poisoned(fault_ptr), 2, tl.where(late, 1, 3)))
+            behind = cta_any(tl.sum(((v.to(tl.int32) - epoch < 0) & smask).to(tl.int32)) > 0)
+            poisoned = cta_any(is_poisoned(fault_ptr))
+            late = cta_any(now_ns(clock_ptr, USE_GLOBALTIMER) > deadline)
+            state = tl.where(behind, tl.where(poisoned, 2, tl.where(late, 1, 3)), 0)
         if state == 0:
             tl.atomic_add(mine, 0, mask=smask, sem="acquire", scope="sys")  # peers' releases -> our reads
             v = tl.load(mine, mask=smask, other=0, volatile=True)

@@ -39,6 +39,21 @@ finished call n-1 (including its re-arm of the stage that call n+1 reuses when 2
 rotate); the third stage is margin.  The kernels that use other arguments (the
 TAIL_FUSION chain) state theirs in their own docstring.
 
+One decision per program (CTA-uniform waits).  A program is many threads (warps), and Triton
+*replicates* a scalar or a small tensor (a [W] vector of tag slots, the fault word, the clock) in
+every warp: each warp loads and compares its own copy, and a reduction over a replicated tensor stays
+inside the warp.  For values that peers write while we poll, the copies can differ: one warp sees the
+last tag slot arrive, the next warp's load came a moment earlier.  The warps then leave the poll loop
+in different iterations, and since ``bar.sync 0`` counts arrivals, not call sites, a warp's re-arm
+barrier pairs with its siblings' reduction barrier in the loop: the early warp re-arms slots that the
+others have not read yet, and they then sum the sentinel (-0.0) in place of a peer's data.  Seen on the
+H100 (issue 28): the peer collectives' fp32 all-reduce and 16-bit gather in loopback returned a wrong
+sum in 10-30 % of the elements of every work item of one program of one launch, in a few calls out of
+ten, at W = 3 and M > 64, PDL on or off; the interpreter runs a program as one thread and cannot
+show it.  Rule: every branch of a wait (arrived, another tag, fault word set, deadline passed) is
+decided by :func:`cta_any`, a CTA-wide vote (``bar.red.or``), so all warps of a program take the same
+branch in the same iteration; so is the fault word at a launch's start (:func:`check_start`).
+
 Bounded waits.  Every poll carries a deadline.  On the GPU the clock is the device
 global timer (ns).  Under the Triton interpreter (``TRITON_INTERPRET=1``) inline asm is
 unavailable, so the clock is a *clock page*: an int64 that a host thread of the process
@@ -188,6 +203,21 @@ def now_ns(clock_ptr, USE_GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
+def cta_any(flag):
+    """``flag`` (a scalar, per thread) ORed over every thread of the program: the same answer in
+    every warp (``bar.red.or.pred``, a CTA barrier that reduces a predicate; see "One decision per
+    program" above).  Every thread of the program must reach it.  Under the interpreter a program
+    is one thread: the flag itself."""
+    if INTERPRET:
+        r = flag != 0
+    else:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [flag.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1) != 0
+    return r
+
+
+@triton.jit
 def is_poisoned(fault_ptr):
     """Is the fault word of this fault block set (by this rank or a peer)?"""
     return tl.load(fault_ptr + 1, volatile=True) != 0
@@ -219,8 +249,9 @@ def post_fault(ftab_ptr, fault_ptr, host_flag_ptr, record, tag, got, W: tl.const
 
 @triton.jit
 def check_start(fault_ptr, host_flag_ptr):
-    """At a launch's start: True when the group is healthy; else mirror the fault to the host."""
-    dead = is_poisoned(fault_ptr)
+    """At a launch's start: True when the group is healthy; else mirror the fault to the host (one
+    answer for the whole program: :func:`cta_any`)."""
+    dead = cta_any(is_poisoned(fault_ptr))
     if dead:
         note_fault(host_flag_ptr)
     return not dead
@@ -234,17 +265,25 @@ def wait_slots(ptrs, mask, tag_ptrs, tag_mask, tag, fault_ptr, clock_ptr, deadli
     The tags are compared inside the loop, so the fast path pays no extra load after it.
 
     The loop carries only a scalar (a tensor loop-carry with a reduction condition crashed the
-    Triton 3.6 compiler); callers load the data again after the loop."""
+    Triton 3.6 compiler); callers load the data again after the loop.  Every branch is a CTA-wide
+    vote (:func:`cta_any`): the warps of a program see their own copies of the tags, the fault word
+    and the clock, and must still leave the loop together (module docstring); the fault word and the
+    clock are only consulted (two more votes) while something is pending."""
     state = 5  # 5 pending
     while state > 4:
         v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         tg = tl.load(tag_ptrs, mask=tag_mask, other=0, volatile=True)
         tg_armed = is_armed(tg) & tag_mask
-        n_armed = tl.sum((is_armed(v) & mask).to(tl.int32)) + tl.sum(tg_armed.to(tl.int32))
-        n_wrong = tl.sum((tag_mask & (tg != tag) & ~tg_armed).to(tl.int32))
-        late = now_ns(clock_ptr, USE_GLOBALTIMER) > deadline
-        state = tl.where(n_wrong > 0, 3, tl.where(n_armed == 0, 0, tl.where(is_poisoned(fault_ptr), 2,
-                                                                             tl.where(late, 1, 5))))
+        pending = cta_any((tl.sum((is_armed(v) & mask).to(tl.int32)) + tl.sum(tg_armed.to(tl.int32))) > 0)
+        wrong = cta_any(tl.sum((tag_mask & (tg != tag) & ~tg_armed).to(tl.int32)) > 0)
+        if wrong:
+            state = 3
+        elif pending:
+            poisoned = cta_any(is_poisoned(fault_ptr))
+            late = cta_any(now_ns(clock_ptr, USE_GLOBALTIMER) > deadline)
+            state = tl.where(poisoned, 2, tl.where(late, 1, 5))
+        else:
+            state = 0
     return state
 
 
