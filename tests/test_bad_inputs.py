@@ -120,8 +120,6 @@ OPS = {op.name: op for op in (
     Op("K3MoETail", lambda: _module("bad.inputs"), _tail_inputs, "triple", MODULE_ARGS + TRIPLE),
     Op("K3MoETail.routed", lambda: _module("bad.inputs.routed"), _tail_inputs, "routed",
        (Arg("routed", ACT, (0, 1)),)),
-    Op("K3MoETail.graph", lambda: _module("bad.inputs.graph"), _tail_inputs, "triple", MODULE_ARGS + TRIPLE,
-       call=lambda op, kw: op(graph_phase=True, **kw)),  # the TAIL_FUSION plan
     Op("LatentTail", _tail, _tail_inputs, "triple", MODULE_ARGS + TRIPLE),
     Op("LatentTail.routed", _tail, _tail_inputs, "routed", (Arg("routed", ACT, (0, 1)),)),
     Op("FinalizeAllReduceRMSNorm", _finalize, _finalize_inputs, "triple",
