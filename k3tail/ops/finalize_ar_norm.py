@@ -237,7 +237,9 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
     Every output is rounded once from fp32 and is bit-identical on every rank.
 
     ``expanded_idx`` int32 ``[M, top_k]`` (-1 skips the slot; the row is never loaded), rows
-    must be < ``expert_out.shape[0]`` (not checked on the device: no sync); ``expert_weights``
+    must be < ``expert_out.shape[0]``: checked on the host for CPU tensors (ValueError), on the
+    device for CUDA tensors (no sync: an INDEX fault, :class:`k3tail.PeerRejected` from this call
+    under the interpreter, else from the next call or :meth:`check`, at any W); ``expert_weights``
     bf16/fp16/fp32 ``[M, top_k]``; ``norm_weight [width]`` in ``dtype`` or fp32.  ``M = 0``
     returns empty outputs without communicating.  Must be constructed on every rank in the same
     order, outside CUDA-graph capture; calls are graph-capturable.
