@@ -165,11 +165,13 @@ class _GroupCalls:
         return ws.fault_word() != 0  # a device read (construction and reset only)
 
     def register(self, op) -> None:
-        """Bind ``op``'s workspace to the group's fault block and re-arm it on recovery."""
+        """Bind ``op``'s workspace to the group's fault block (W > 1) and re-arm it on recovery (a
+        world of one too: its ops' local fault blocks hold an index fault until ``k3tail.reset``)."""
         ws = getattr(op, "ws", None)
-        if ws is None or self.fault_ws is None:
+        if ws is None:
             return
-        ws.bind_fault(self.fault_ws)
+        if self.fault_ws is not None:
+            ws.bind_fault(self.fault_ws)
         self.members[id(op)] = op
 
 
@@ -375,7 +377,7 @@ class K3MoETail(nn.Module):
         if self.device.type == "cuda" and kind == "group":
             ctx.side_stream = torch.cuda.Stream(device=self.device)
         ctx.status = torch.zeros(1, dtype=torch.int32, device=self.device)
-        for op in (ctx.tail, ctx.lane, *ctx.coll.workspaces_ops()):
+        for op in (ctx.tail, ctx.lane, ctx.solo, *ctx.coll.workspaces_ops()):
             if op is not None:
                 g.register(op)
         self._kind = kind
@@ -698,7 +700,10 @@ class K3MoETail(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         g = self._group
-        if self.world_size == 1:
+        if self.world_size == 1:  # no protocol: an op's own fault (an index out of range on the device)
+            for op in (self._ctx.tail, self._ctx.solo):
+                if op is not None:
+                    op.check()
             return
         if g.fault is not None:
             raise self._refused()

@@ -65,7 +65,8 @@ element of scratch/sq is written by one program per call and read after the coun
 acquire (or by the same program after a CTA barrier).
 
 World size 1 (``W == 1``): no slots at all, phase 1 writes the partial (+ residual) straight
-into the scratch row: still one launch, no communication.
+into the scratch row: still one launch, no communication.  An index out of range posts its
+INDEX fault into the op's local fault block (a world-of-one workspace: no peers, no slots).
 
 Who re-arms what, and why it cannot race.  Every slot chunk is read by exactly one program
 (the owner of its slice) on its rank, which re-arms it right after summing it.  Slot sets
@@ -213,11 +214,11 @@ def finalize_ar_norm_kernel(
             keep = tl.zeros([BLOCK], dtype=tl.float32)  # the row sum when it fits one chunk
             ok = rank * 0 + 1
             if FINALIZE:
-                # an index out of range is never dereferenced: post INDEX (W > 1), skip the item
+                # an index out of range is never dereferenced: post INDEX (W = 1 too: into the op's
+                # local fault block, so the host raises instead of returning an unwritten row), skip the item
                 if not idx_in_range(idx_ptr, t64, R, TOP_K):
                     ok = rank * 0
-                    if W > 1:
-                        post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
+                    post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
             if W == 1:
                 # ---- no communication: partial (+ residual) straight into scratch
                 for j in range(CHUNKS):  # chunks g, g + G, ... (G is a runtime value)

@@ -100,6 +100,8 @@ class OneShotAllReduce:
         own = self._calls.next(x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else 0)
         check_tensor("x", x, dtype=self.dtype, device=self.device, ndim=2, shape=(None, self.width))
         self._check_rows(x.shape[0])
+        if status is not None:
+            check_tensor("status", status, dtype=torch.int32, device=self.device, ndim=1, shape=(1,))
         if self.world_size == 1:
             return x.clone()
         ws = self.ws

@@ -37,7 +37,7 @@ from k3tail.ops.fault import CallCounter
 from k3tail.runtime.checks import check_routed, check_tensor, routed_rows
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
-from k3tail.runtime.workspace import create_workspace, resolve_device
+from k3tail.runtime.workspace import create_workspace, local_workspace, resolve_device
 from k3tail.triton_kernels.finalize_ar_norm import finalize_ar_norm_kernel
 from k3tail.triton_kernels.lamport import NUM_STAGES
 
@@ -125,6 +125,8 @@ class _FusedBase:
             self.ws = create_workspace(group, self._tag_off + ntag, device=dev, what=self.op_name,
                                        arm32=((0, n32), (self._tag_off, ntag)))
             self.device = self.ws.device
+        else:  # a world of one: no slots, only the fault block the kernel posts an INDEX fault into
+            self.ws = local_workspace(0, dev)
         # The fp32 scratch row is used only when a row spans several chunks or slices (module docstring
         # of the kernel): a one-chunk row at W = 1 (K3's latent) needs none, so none is allocated.
         needs_scratch = self.slices > 1 or -(-width // self.block) > 1
@@ -194,13 +196,9 @@ class _FusedBase:
                 norm_weight, normed, resout, shsum, finalize, top_k, shared_add, slot32, tag):
         dummy = normed
         ws = self.ws
-        if ws is not None:
-            ws.check(self.op_name, self.timeout_s)
-            table, ctrl, host_flag, clock, rank = ws.table, ws.ctrl, ws.host_flag, L.clock_arg(ws), ws.rank
-            fault, ftab = ws.fault_blk, ws.ftab
-        else:
-            table = ctrl = host_flag = clock = fault = ftab = self.scratch
-            rank = 0
+        ws.check(self.op_name, self.timeout_s)
+        table, ctrl, host_flag, clock, rank = ws.table, ws.ctrl, ws.host_flag, L.clock_arg(ws), ws.rank
+        fault, ftab = ws.fault_blk, ws.ftab
         R = expert_out.shape[0] if expert_out is not None else 0
         if expert_out is not None and R == 0:
             expert_out = None  # every slot is -1 (validated): nothing is read; no null address
@@ -221,8 +219,7 @@ class _FusedBase:
             shsum if shsum is not None else self.scratch,
             self.scratch, self._sq, self._cnt, table, ctrl, fault, ftab, host_flag, clock,
             rank, M, self._timeout_ns, G, tag, R, *self._scalars32)
-        if ws is not None:
-            L.after_launch(ws, self.op_name, self.timeout_s)
+        L.after_launch(ws, self.op_name, self.timeout_s)
 
 
 def _rows(routed, expanded_idx) -> int:
@@ -240,7 +237,9 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
     Every output is rounded once from fp32 and is bit-identical on every rank.
 
     ``expanded_idx`` int32 ``[M, top_k]`` (-1 skips the slot; the row is never loaded), rows
-    must be < ``expert_out.shape[0]`` (not checked on the device: no sync); ``expert_weights``
+    must be < ``expert_out.shape[0]``: checked on the host for CPU tensors (ValueError), on the
+    device for CUDA tensors (no sync: an INDEX fault, :class:`k3tail.PeerRejected` from this call
+    under the interpreter, else from the next call or :meth:`check`, at any W); ``expert_weights``
     bf16/fp16/fp32 ``[M, top_k]``; ``norm_weight [width]`` in ``dtype`` or fp32.  ``M = 0``
     returns empty outputs without communicating.  Must be constructed on every rank in the same
     order, outside CUDA-graph capture; calls are graph-capturable.

@@ -23,6 +23,7 @@ import torch
 
 from k3tail.config import ACT_DTYPES
 from k3tail.runtime import launch as L
+from k3tail.runtime.checks import check_tensor
 from k3tail.runtime.modes import interpret_mode
 from k3tail.triton_kernels import gemm as G
 
@@ -31,17 +32,23 @@ _SHARED_DTYPES = (torch.float32, *ACT_DTYPES)
 BUCKETS = (("m16", 16), ("m256", 256), ("large", None))  # tactic key -> the largest M it serves
 
 
-def _check_2d(name, t, *, shape, dtypes, device):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have one of dtypes {list(dtypes)}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if t.dim() != 2 or t.shape[0] != shape[0] or t.shape[1] != shape[1]:
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.requires_grad:
-        raise ValueError(f"{name} requires grad: k3tail's ops are inference-only")
+def _any_strides(name, t, **kw) -> torch.Tensor:
+    """:func:`check_tensor` for an operand the GEMM reads or writes through its strides (any strides,
+    no alignment assumed: the TMA variant checks its own needs and falls back to pointers)."""
+    return check_tensor(name, t, contiguous=False, aligned=False, **kw)
+
+
+def _check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """An output written element by element must not hold two elements in one place (a stride-0
+    ``expand`` view, or strides that interleave): the tiles would race and the result would depend on
+    which one stores last."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            raise ValueError(f"{name} has overlapping elements (shape {tuple(t.shape)}, strides {t.stride()}): "
+                             f"an output needs a distinct place per element")
+        span = st * n
 
 
 def default_tactics(*, interpret: bool) -> dict:
@@ -91,25 +98,20 @@ class Projector:
     def __call__(self, normed: torch.Tensor, up_weight: torch.Tensor, *, prefix_hidden: Optional[torch.Tensor] = None,
                  shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not isinstance(normed, torch.Tensor) or normed.dim() != 2:
-            raise ValueError(f"normed must be a 2-D tensor, got {getattr(normed, 'shape', type(normed).__name__)}")
-        if normed.dtype not in ACT_DTYPES:
-            raise ValueError(f"normed must be bf16 or fp16, got {normed.dtype}")
+        _any_strides("normed", normed, dtypes=ACT_DTYPES, ndim=2)
         M, K = normed.shape
         dev = normed.device
-        if not isinstance(up_weight, torch.Tensor) or up_weight.dim() != 2:
-            raise ValueError("up_weight must be a 2-D tensor [N, L]")
-        N = up_weight.shape[0]
-        _check_2d("up_weight", up_weight, shape=(N, K), dtypes=(normed.dtype,), device=dev)
+        N = _any_strides("up_weight", up_weight, dtype=normed.dtype, device=dev, ndim=2, shape=(None, K)).shape[0]
         if prefix_hidden is not None:
-            _check_2d("prefix_hidden", prefix_hidden, shape=(M, N), dtypes=ACT_DTYPES, device=dev)
+            _any_strides("prefix_hidden", prefix_hidden, dtypes=ACT_DTYPES, device=dev, ndim=2, shape=(M, N))
         if shared_sum is not None:
-            _check_2d("shared_sum", shared_sum, shape=(M, N), dtypes=_SHARED_DTYPES, device=dev)
+            _any_strides("shared_sum", shared_sum, dtypes=_SHARED_DTYPES, device=dev, ndim=2, shape=(M, N))
         out_dtype = normed.dtype if out_dtype is None else out_dtype
         if out_dtype not in _OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype}")
         if out is not None:
-            _check_2d("out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
+            _any_strides("out", out, dtype=out_dtype, device=dev, ndim=2, shape=(M, N))
+            _check_no_overlap("out", out)
         return self.run(normed, up_weight, prefix_hidden=prefix_hidden, shared_sum=shared_sum, out_dtype=out_dtype,
                         out=out)
 

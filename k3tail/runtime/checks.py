@@ -22,7 +22,9 @@ def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torc
                  aligned: bool = True) -> torch.Tensor:
     """Validate an input; raise ValueError naming the argument.  ``aligned``: a CUDA tensor must
     start on a 16-byte boundary (the kernels' vector accesses); ``False`` for inputs a kernel reads
-    without that assumption (e.g. a column slice of gamma at an uneven shard boundary)."""
+    without that assumption (e.g. a column slice of gamma at an uneven shard boundary).  A tensor
+    that requires grad is refused while grad mode is on (no autograd formula: its gradient would be
+    lost silently), accepted under ``torch.no_grad()`` / ``torch.inference_mode()``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
@@ -42,7 +44,7 @@ def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torc
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
     if aligned and t.device.type == "cuda" and t.numel() and t.data_ptr() % 16 != 0:
         raise ValueError(f"{name} must be 16-byte aligned (got a view at offset {t.data_ptr() % 16})")
-    if t.requires_grad:
+    if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} requires grad: k3tail's ops are inference-only (no autograd formula); "
                          f"call them under torch.no_grad() or pass detached tensors")
     return t
