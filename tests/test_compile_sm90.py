@@ -149,7 +149,39 @@ for rec in json.load(sys.stdin):
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert ".target sm_90" in k.asm["ptx"], rec["name"]
         print("compiled", rec["name"], "pdl" if pdl else "no-pdl", "multicast" if mc else "", flush=True)
+        for loop, voted in spin_loops(k.asm["ptx"]):
+            print("spin", rec["name"], loop, "voted" if voted else "UNVOTED", flush=True)
 '''
+
+# Issue 28: a spin loop (a loop that polls with volatile loads and reads the global timer for its
+# deadline) must decide its exit by a CTA-wide vote (lamport.cta_any: bar.red.or), else the warps of a
+# program can leave it in different iterations (triton_kernels/lamport.py, "One decision per program").
+_SPIN_LOOPS = r'''
+import re
+def spin_loops(ptx):
+    """``[(header label, voted)]`` of the PTX's spin loops, from LLVM's loop comments on the blocks."""
+    blocks, cur = {}, None
+    for line in ptx.splitlines():
+        m = re.match(r"^(\$L__BB\d+_\d+):", line)
+        if m:
+            cur = m.group(1)
+            blocks[cur] = {"loops": set(), "text": []}
+        if cur is None:
+            continue
+        b = blocks[cur]
+        b["text"].append(line)
+        if "Loop Header" in line:
+            b["loops"].add(cur)
+        for h in re.findall(r"(?:Header=|Parent Loop )(BB\d+_\d+)", line):
+            b["loops"].add("$L__" + h)
+    out = []
+    for h in sorted({h for b in blocks.values() for h in b["loops"]}):
+        body = "\n".join("\n".join(b["text"]) for b in blocks.values() if h in b["loops"])
+        if "ld.volatile" in body and "%globaltimer" in body:
+            out.append((h, "bar.red.or.pred" in body))
+    return out
+'''
+_COMPILER = _COMPILER.replace("done = set()", _SPIN_LOOPS + "\ndone = set()", 1)
 
 
 def _package_kernels() -> set:
@@ -184,3 +216,9 @@ def test_every_launched_variant_compiles_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     print(r.stdout)
     assert r.stdout.count("compiled") >= 2 * len(names)
+    spins = [ln for ln in r.stdout.splitlines() if ln.startswith("spin ")]
+    waiting = {ln.split()[1] for ln in spins}
+    # every kernel that waits for its peers was analysed (a rename or a new waiting kernel shows here)
+    assert {"oneshot_allreduce_kernel", "finalize_ar_norm_kernel", "barrier_kernel", "tail_a_kernel",
+            "tail_c_kernel"} <= waiting, spins
+    assert not [ln for ln in spins if "UNVOTED" in ln], "spin loops without a CTA-wide vote:\n" + "\n".join(spins)
