@@ -12,14 +12,12 @@ d() {  # d LABEL PYTHONPATH ARGS...
   cat "$OUT/d.log" >> "$OUT/diag28c.log"; grep -v "tactic table" "$OUT/d.log" | tail -${TAILN:-4}
 }
 python3 -c "import sys; sys.path.insert(0, '.old'); import k3tail.triton_kernels.lamport as l; print('old lamport:', l.__file__, hasattr(l, 'cta_any'))"
-for who in old new; do
-  pp=; [ $who = old ] && pp=.old
-  TAILN=12 d $who "$pp" --calls 30
-  d $who "$pp" --calls 30 --bf16 --width 7168
-  d $who "$pp" --calls 30 --world-size 2
-  d $who "$pp" --calls 30 --m 65
-done
-echo "=== tiers (new)"; timeout 150 python3 bench/diag_loopback_tiers.py --world-sizes 3 --ms 65 200 2>&1 | grep -v "tactic table" | tail -12
+TAILN=12 d old .old --calls 20
+d old .old --calls 20 --bf16 --width 7168
+TAILN=6 d new "" --calls 20
+d new "" --calls 20 --bf16 --width 7168
+d new "" --calls 20 --world-size 2
+d new "" --calls 20 --m 65
 tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
-echo "=== sweep"; timeout ${SWEEP_TIMEOUT:-200} python3 -m pytest tests/test_loopback_sweep.py -m gpu -q -s -rfE -p no:cacheprovider -o timeout=200 2>&1 | tee "$OUT/sweep.log" | grep -E "^W=|M=.*(differ|FAIL)|passed|failed|Error" | tail -40
+echo "=== sweep"; timeout ${SWEEP_TIMEOUT:-330} python3 -m pytest tests/test_loopback_sweep.py -m gpu -q -s -rfE -p no:cacheprovider -o timeout=200 2>&1 | tee "$OUT/sweep.log" | grep -E "^W=|M=.*(differ|FAIL)|passed|failed|Error" | tail -40
 tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
