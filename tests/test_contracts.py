@@ -97,7 +97,7 @@ def _attempt(fn):
     try:
         y = fn()
         return {"ok": True, "out": y, "t0": t0, "t1": time.monotonic()}
-    except k3tail.K3TailError as e:
+    except Exception as e:  # a K3TailError, or anything a break makes a call raise
         return {"ok": False, "cls": type(e).__name__, "msg": str(e)[:400], "t0": t0, "t1": time.monotonic(),
                 "reason": getattr(e, "reason", None), "failing": getattr(e, "failing_rank", None),
                 "tier": getattr(e, "tier", None), "layer": getattr(e, "layer", None)}
@@ -193,7 +193,7 @@ def _sc_faultword(rank, W):
 
 # ----------------------------------------------------------------------- 3. uneven shards
 def _sc_uneven(rank, W, Ms):
-    mod = _module(f"bite.uneven.w{W}", lane=8)
+    mod = _module(f"bite.uneven.w{W}", lane=8, timeout_s=10.0)
     out = {"plans": {M: mod.plan_for(M, True) for M in Ms}}
     for M in Ms:
         x = _inputs(M, W, rank, 50 + M)
@@ -854,7 +854,10 @@ def test_rank_order_summation_cpu():
             d = (shsum.double() - ref["shared"][0]).abs()
             fails.append(f"LaneAllReduce: shared_sum is not the rank-order fp64 sum rounded once "
                          f"(max diff {float(d.max()):.3g} at columns {sorted(set(d.nonzero()[:, 1].tolist()))[:12]})")
-        T.check_ulp(normed, R.rmsnorm(sum(ref["partials"]), ref["norm_weight"], 1e-5), what="LaneAllReduce normed")
+        try:
+            T.check_ulp(normed, R.rmsnorm(sum(ref["partials"]), ref["norm_weight"], 1e-5), what="LaneAllReduce normed")
+        except AssertionError as e:
+            fails.append(str(e))
     else:
         fails.append(f"LaneAllReduce: {[_desc(g) for g in got]}")
     got = [rows[r]["oneshot"] for r in range(W)]
