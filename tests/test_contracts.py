@@ -13,8 +13,9 @@ Each test here was written against a hand-made break of the line that implements
    posted a fault (its input rejected on the host, or an index out of range found on the device) ends
    its peer's wait in under a quarter of ``timeout_s``, measured from the moment it started its call.
 3. *Uneven shards* (``lamport.shard_of``, ``ops/tail.py``): TAIL_FUSION at W = 3 and 5 with hidden 64
-   (shards 22/21/21 and 13/13/13/13/12), M from 1 to 16, against fp64, bitwise across ranks and bitwise
-   equal to FUSED_LANE_AR (lane and large-M paths) and SEPARATE_REDUCE on the same inputs.
+   (shards 22/21/21 and 13/13/13/13/12), M = 1, 2, 3, 8, 9, 15, 16 (W = 3) and 1, 2, 15, 16 (W = 5), against
+   fp64, bitwise across ranks and bitwise equal to FUSED_LANE_AR (its lane path up to 8 tokens, the sharded
+   large-M path above) and SEPARATE_REDUCE on the same inputs.
 4. *Sentinel bits* (``lamport.canonicalize``): inputs full of -0.0 (whole rows, columns, a rank whose
    partial is all -0.0, a negative ``routed_scale`` that turns a finalize's +0.0 into -0.0, outputs
    that round to -0.0) in every tier and both kinds of collectives and the standalone ops: exact
@@ -24,7 +25,7 @@ Each test here was written against a hand-made break of the line that implements
    ``max_tokens``), graph phase and eager, W = 1, 2, 3: the exact (tier, path), and the body and the op
    of that path ran (spies on ``k3tail.tiers.BODIES`` and on the module's ops).
 
-And three found on the way, which no other test caught when broken:
+And two more of the same kind (slot state and summation order, which the tests above do not pin down):
 
 6. *Consumer re-arm*: after every rank finished a sequence of calls, every Lamport slot region (data
    and tag slots of TAIL_FUSION, the lane, the standalone ops, the peer kind's all-reduces) holds
@@ -645,7 +646,7 @@ def test_fault_word_ends_peer_waits_fast_cpu():
 @pytest.mark.parametrize("W", [3, 5])
 def test_uneven_shards_tail_fusion_every_tier_cpu(W):
     """Contract 3: hidden 64 at W = 3 / 5 (uneven shards): TAIL_FUSION exact, bitwise across ranks and
-    bitwise equal to FUSED_LANE_AR and SEPARATE_REDUCE, M from 1 to 16."""
+    bitwise equal to FUSED_LANE_AR and SEPARATE_REDUCE, M in 1..16 (UNEVEN_MS)."""
     rows = _results(W, "uneven")
     b = shard_bounds(H, W)
     assert H % W and len({b[i + 1] - b[i] for i in range(W)}) == 2, b
