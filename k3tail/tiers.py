@@ -457,7 +457,8 @@ def run_cute(ctx: TierContext, x: TailInputs) -> torch.Tensor:
     partial[:, cols] = ctx.project(normed, ctx.own_rows(x.up_weight), shared_sum=partial[:, cols].contiguous(),
                                    out_dtype=torch.float32)
     total = ctx.coll.all_reduce_sum(partial, fp64=False, tag=ctx.tag)
-    return (x.prefix_hidden.float() + total).to(ctx.config.dtype)
+    y = (x.prefix_hidden.float() + total).to(ctx.config.dtype)
+    return y.masked_fill_(y == 0, 0.0)  # +0.0 for -0.0, as every other tier (DESIGN §10)
 
 
 BODIES: Dict[str, Callable[[TierContext, TailInputs], torch.Tensor]] = {

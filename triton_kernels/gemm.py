@@ -25,7 +25,10 @@ Arithmetic (identical in every variant, every config, every M):
   * epilogue in fp32, in exactly this order: ``(prefix + acc) + shared``, then ONE
     round-to-nearest-even into ``out``'s dtype (:func:`lamport.round_to`; bit-exact under the
     interpreter too): :func:`finish_tile`, the same operations in the same order as
-    epilogue the family replaced (tests/test_gemm.py checks the bits against the torch epilogue).
+    epilogue the family replaced (tests/test_gemm.py checks the bits against the torch epilogue);
+    an output that rounds to -0.0 (a tiny negative value underflowing the 16-bit type) is stored
+    as +0.0 (:func:`lamport.canonicalize`), as TAIL_FUSION's kernel B must store it into the
+    mailbox, so every tier returns the same bits (DESIGN §10).
 
 Batch invariance (the point of this file)
 =========================================
@@ -102,7 +105,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lamport import INTERPRET, round_to
+from .lamport import INTERPRET, canonicalize, round_to
 
 BLOCK_K = tl.constexpr(64)  # never a tactic: the K chunking is part of the numerics ("Batch invariance")
 
@@ -329,7 +332,8 @@ def finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mask,
                 HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr):
     """The epilogue contract: ``(prefix + acc) + shared`` in fp32 (:func:`combine`), then one RNE
     rounding into ``out`` (``acc`` fp32 ``[BM, BN]`` at rows ``rm64``, columns ``rn64``, both
-    int64).  The same operations in the same order as the torch epilogue ``(prefix + acc) + shared``."""
+    int64).  The same operations in the same order as the torch epilogue ``(prefix + acc) + shared``;
+    -0.0 is stored as +0.0."""
     p = 0.0
     s = 0.0
     if HAS_PREFIX:
@@ -337,8 +341,9 @@ def finish_tile(acc, prefix_ptr, shsum_ptr, out_ptr, rm64, rn64, mask,
     if HAS_SHSUM:
         s = tl.load(shsum_ptr + rm64[:, None] * stride_sm + rn64[None, :] * stride_sn, mask=mask, other=0.0)
     acc = combine(acc, p, s, HAS_PREFIX, HAS_SHSUM)
+    # +0.0 for a -0.0 result, as kernel B's mailbox store (every tier: the same bits, DESIGN §10)
     tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :] * stride_on,
-             round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+             canonicalize(round_to(acc, out_ptr.dtype.element_ty)), mask=mask)
 
 
 @triton.jit
