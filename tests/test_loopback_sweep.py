@@ -118,7 +118,9 @@ def test_gpu_loopback_sweep_every_tier(W):
                 for m in mods:
                     m.check()
             except k3tail.K3TailError as e:
-                problems.append(f"W={W} M={M} {tier.name} ({plan.path}): {type(e).__name__}: {e}")
+                issue = ", ".join(f"{t:.2f}" for t in world.last_issue_s)
+                problems.append(f"W={W} M={M} {tier.name} ({plan.path}): {type(e).__name__}: {e} (host issue time "
+                                f"per rank in the last run: [{issue}] s)")
                 break  # a fault poisons the group: the rest of this W would only repeat it
             ys = [y.cpu() for y in res]
             for r in range(1, W):

@@ -6,6 +6,7 @@ serves it is ``workspace._loopback_workspace`` (DESIGN §5)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -72,6 +73,9 @@ class LoopbackWorld:
         self._barrier = threading.Barrier(world_size)
         self._slots: List[Any] = [None] * world_size
         self._groups = [LoopbackGroup(self, r) for r in range(world_size)]
+        # host seconds each rank's ``fn`` took to issue in the last run(): a rank that blocks the one
+        # issuing thread while a peer's kernel spins (a host read, a module load) shows here
+        self.last_issue_s: List[float] = []
 
     def group(self, rank: int) -> "LoopbackGroup":
         """Rank ``rank``'s group (the same object every time: it counts the rank's workspaces)."""
@@ -134,11 +138,13 @@ class LoopbackWorld:
         of :meth:`run` fork: the warm pass runs ``fn``'s torch ops for real, and without the
         fork they read inputs that ``cur`` is still writing (seen on the H200: the finalize's
         gather read a half-written ``expanded_idx`` of a fresh M = 8192 input and asserted)."""
-        out = []
+        out, self.last_issue_s = [], []
         for r, s in enumerate(self.streams):
             s.wait_stream(cur)
+            t0 = time.monotonic()
             with torch.cuda.stream(s):
                 out.append(fn(r))
+            self.last_issue_s.append(time.monotonic() - t0)
         for s in self.streams:
             cur.wait_stream(s)
         return out
