@@ -51,11 +51,19 @@ def _counting_body(ctx, x):
     return _SHARDED_BODY(ctx, x)
 
 
-tiers.BODIES["sharded"] = _counting_body  # every module's plan looks its body up here
+@pytest.fixture(autouse=True)
+def _restore_bodies():
+    """The counter below is installed per process while a test builds modules; undo it after each test
+    (a patch left behind would change the body names other test files spy on in this process)."""
+    saved = dict(tiers.BODIES)
+    yield
+    tiers.BODIES.clear()
+    tiers.BODIES.update(saved)
 
 
 def _counted(mod):
     """Count the sharded path's calls (so a silent fallback cannot pass as equality)."""
+    tiers.BODIES["sharded"] = _counting_body  # every module's plan looks its body up here
     mod.sharded_calls = 0
     _COUNTED[id(mod.context)] = mod
     return mod

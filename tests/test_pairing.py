@@ -130,6 +130,9 @@ def _scenario(st: _Rank, sc: dict) -> dict:
     mod = st.module(kind)
     if fault == "layer":
         st.module(kind, layer=1)  # every rank builds every layer up front (construction is collective)
+    # the harness lines the ranks up before call 0, so the skew the previous scenario left (one rank's
+    # recovery or checks finishing later on a loaded 2-core machine) does not count against timeout_s
+    torch.distributed.barrier()
     res = {"calls": []}
     for i in range(3):
         seed = base + i
