@@ -123,7 +123,7 @@ class _FusedBase:
             self._tag_off = -(-(n32 + n16) // 256) * 256
             ntag = NUM_STAGES * W * max_tokens * self._tag_stride * 4
             self.ws = create_workspace(group, self._tag_off + ntag, device=dev, what=self.op_name,
-                                       arm32=((0, n32), (self._tag_off, ntag)))
+                                       arm32=((0, n32), (self._tag_off, ntag)), timeout_s=self.timeout_s)
             self.device = self.ws.device
         # The fp32 scratch row is used only when a row spans several chunks or slices (module docstring
         # of the kernel): a one-chunk row at W = 1 (K3's latent) needs none, so none is allocated.
