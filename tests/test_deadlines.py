@@ -124,8 +124,8 @@ def _scenario(rank, W, sc, pg, dog):
         for i in (1, 2):
             _op(log, dog, f"call{i}", lambda: _call(mod, mode, rank, W, base + i))
         _op(log, dog, "build1", lambda: _build(pg, f"dl{sc['id']}.layers.1"))
-        if sc.get("reset"):
-            _op(log, dog, "reset", lambda: k3tail.reset(pg))
+        if sc.get("reset"):  # (an explicit timeout_s: the reset's own bound, not the modules')
+            _op(log, dog, "reset", lambda: k3tail.reset(pg, timeout_s=1.0))
         return {"log": log, "outs": outs}
     for i in (1, 2):  # skip: the victim stays away from call 1 (and makes call 2, which pairs with call 1)
         if not (rank == v and i == 1):
