@@ -163,7 +163,14 @@ class LoopbackGroup(Comm):
         self.world, self.rank, self.world_size = world, rank, world.world_size
         self._seq = 0
         self.name = f"loopback{world.world_size}"
-        self._rdv = Rendezvous(world.store, f"loopback-{id(world)}", rank, world.world_size)
+        self._rdv_: Optional[Rendezvous] = None
+
+    @property
+    def _rdv(self) -> Rendezvous:
+        """This rank thread's side of the world's host rendezvous (made on first use)."""
+        if self._rdv_ is None:
+            self._rdv_ = Rendezvous(self.world.store, f"loopback-{id(self.world)}", self.rank, self.world_size)
+        return self._rdv_
 
     def exchange(self, what, state=None):
         """The rank threads' states (``Comm.exchange``), through the world's :class:`LocalStore`: bounded
