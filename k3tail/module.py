@@ -5,8 +5,15 @@ tensor-parallel group, outside CUDA-graph capture) and calls it with the layer's
 
     out[M, H] = prefix_hidden + RMSNorm(sum_r routed_r) @ W_up^T + sum_r shared_r
 
-Construction (DESIGN §4), in this fixed order on every rank:
+Construction (DESIGN §4), in this fixed order on every rank.  Every host rendezvous in it goes
+through :meth:`k3tail.runtime.comm.Comm.exchange` (the process group's store, never its collectives),
+ends by ``timeout_s`` plus ``comm.SLACK_S`` and ends the same way on every rank: every rank gets
+through, or every rank raises (issue 32; a rank that raises between two rendezvous makes its peers
+raise at the next one at once).
 
+0. the first rendezvous: every rank's fault state (:meth:`_GroupCalls.state`); if any rank saw a fault
+   (or the ranks joined different numbers of group headers), every rank recovers the group first
+   (:func:`_recover`) and retires its older modules;
 1. the device (``device=``, else :func:`k3tail.runtime.workspace.resolve_device`: never guessed
    from a CPU group), the static check of the group's collectives on it, and the local probes
    (:func:`k3tail.vote.local_probes`; the P2P probe allocates one tiny workspace on every rank);
@@ -48,8 +55,10 @@ and the reason.  Per process and group (:class:`_GroupCalls`, shared by every mo
   raises a fault in a call that did not join a header *posts* one (not waited for), so that every
   rank joins exactly one header op per faulted call and the group's collectives stay paired;
 * the recovery: :func:`reset` (``k3tail.reset(group)``, collective) re-arms every workspace of
-  the group in place (no allocation: CUDA graphs stay valid); constructing a module on a faulted
-  group does the same and retires the group's older modules.
+  the group in place (no allocation: CUDA graphs stay valid); constructing a module where any rank
+  saw a fault does the same on every rank and retires the group's older modules.  Both first join,
+  on every rank, the group headers a peer still waits in (each rank counts the headers it joined),
+  and every host wait in them is bounded as construction's are.
 
 torch.compile: under compilation ``forward`` calls the ``k3tail::moe_tail`` custom op
 (handle-registry pattern: the op takes an int handle that names the module; its fake
@@ -319,6 +328,22 @@ class K3MoETail(nn.Module):
                  warmup: bool = True, _multimem_alloc: Optional[Callable] = None,
                  _multimem_allreduce: Optional[Callable] = None):
         super().__init__()
+        self.group = group
+        self.comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
+        # every host rendezvous of the construction ends by timeout_s (+ comm.SLACK_S) on every rank alike;
+        # a rank that raises before or between them (an argument only it rejects, its own ValueError)
+        # abandons its next rendezvous, so its peers raise there at once and every rank stays in step
+        t = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else DEFAULT_TIMEOUT_S
+        with host_deadline(self.comm, t, what=f"K3MoETail {prefix!r} construction",
+                           layer=prefix if isinstance(prefix, str) else None):
+            self._construct(config, group, prefix, device, lane_max_tokens, large_m, exchange, tactics_table,
+                            tactics, timeout_s, pool_depth, _multimem_alloc, _multimem_allreduce)
+        if warmup:
+            self.warmup()
+
+    def _construct(self, config, group, prefix, device, lane_max_tokens, large_m, exchange, tactics_table, tactics,
+                   timeout_s, pool_depth, _multimem_alloc, _multimem_allreduce) -> None:
+        """The construction (the module docstring's steps; step 0: every rank's fault state)."""
         if not isinstance(config, TailConfig):
             raise ValueError(f"config must be a TailConfig, got {type(config).__name__}")
         config.validate()
@@ -337,8 +362,6 @@ class K3MoETail(nn.Module):
             raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: {', '.join(TUNED_OPS)})")
         cfg = self.config = dataclasses.replace(config)
         self.prefix, self.timeout_s, self.large_m = prefix, float(timeout_s), large_m
-        self.group = group
-        self.comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.device = resolve_device(self.comm, device)
         loopback = isinstance(self.comm, LoopbackGroup)
@@ -348,17 +371,6 @@ class K3MoETail(nn.Module):
         # every rank has raised its fault) and retires the modules built before it
         g = self._group = _group_calls(self.comm, self.device)
         self._retired = False
-        # every host rendezvous from here on ends by timeout_s (+ comm.SLACK_S) on every rank alike; a rank
-        # that raises in between abandons its next rendezvous, so its peers raise there at once
-        with host_deadline(self.comm, self.timeout_s, what=f"K3MoETail {prefix!r} construction", layer=prefix):
-            self._construct(cfg, g, group, prefix, lane_cap, large_m, exchange, tactics_table, tactics, pool_depth,
-                            loopback, _multimem_alloc, _multimem_allreduce)
-        if warmup:
-            self.warmup()
-
-    def _construct(self, cfg, g, group, prefix, lane_cap, large_m, exchange, tactics_table, tactics, pool_depth,
-                   loopback, _multimem_alloc, _multimem_allreduce) -> None:
-        """Construction from the first rendezvous on (the class docstring's steps 0-5)."""
         W = self.world_size
         if W > 1:  # 0. every rank's fault state: if any rank saw a fault, every rank recovers the group first
             states = self.comm.exchange("start", g.state())
