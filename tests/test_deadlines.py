@@ -18,8 +18,9 @@ over the gloo group (the call header):
   call 2 times out; then every rank builds new modules (the same prefix at W = 2, a new one at W = 3)
   or runs ``k3tail.reset``: every rank recovers together and the new modules are exact;
 * ``raise``: one rank raises an exception of its own at call 1 and never calls again on that group; its
-  peers call on (PeerTimeout, then WorkspacePoisoned) and build new modules: every peer raises
-  PeerTimeout naming the phase, the absent rank and the layer.
+  peers call on (PeerTimeout, then WorkspacePoisoned) and build new modules (with ``timeout_s = 1 s``:
+  the new module's own bound; at W = 2 in the lane mode also ``k3tail.reset(group, timeout_s=1)``):
+  every peer raises PeerTimeout naming the phase, the absent rank and the layer.
 
 In every case every operation of every rank returns or raises within ``timeout_s + 5 s`` (measured per
 rank and operation) and the rank processes end.  A rank's watchdog turns an operation that runs past
@@ -46,6 +47,7 @@ from tests import test_pairing as P
 TIMEOUT = 2.0
 BOUND = TIMEOUT + 5.0  # what every operation of every rank must stay within
 HANG = TIMEOUT + 15.0  # the watchdog's verdict: this operation hangs
+RAISE_BUILD_TIMEOUT = 1.0  # the timeout_s of the module the peers build after a rank gave up
 M = 3
 MODES = {"lane": (Tier.FUSED_LANE_AR, False), "tail": (None, True), "separate": (Tier.SEPARATE_REDUCE, False)}
 
@@ -95,9 +97,9 @@ def _op(log, dog, name, fn):
         dog.disarm()
 
 
-def _build(pg, prefix):
+def _build(pg, prefix, timeout_s=TIMEOUT):
     cfg = k3tail.TailConfig(max_tokens=16, **P.SHAPE)
-    return k3tail.K3MoETail(cfg, pg, prefix=prefix, lane_max_tokens=P.LANE, timeout_s=TIMEOUT, tactics={})
+    return k3tail.K3MoETail(cfg, pg, prefix=prefix, lane_max_tokens=P.LANE, timeout_s=timeout_s, tactics={})
 
 
 def _call(mod, mode, rank, W, seed):
@@ -122,7 +124,8 @@ def _scenario(rank, W, sc, pg, dog):
             return {"log": log, "outs": outs}  # never calls again on this group
         for i in (1, 2):
             _op(log, dog, f"call{i}", lambda: _call(mod, mode, rank, W, base + i))
-        _op(log, dog, "build1", lambda: _build(pg, f"dl{sc['id']}.layers.1"))
+        # (the new module's own timeout_s bounds its construction: a shorter one here)
+        _op(log, dog, "build1", lambda: _build(pg, f"dl{sc['id']}.layers.1", timeout_s=RAISE_BUILD_TIMEOUT))
         if sc.get("reset"):  # (an explicit timeout_s: the reset's own bound, not the modules')
             _op(log, dog, "reset", lambda: k3tail.reset(pg, timeout_s=1.0))
         return {"log": log, "outs": outs}
@@ -260,6 +263,8 @@ def _check(res, W, scenarios):
                     e = logs[r].get(op)
                     if e is None:
                         continue
+                    if e["t"] > RAISE_BUILD_TIMEOUT + 5.0:  # both with timeout_s = 1 s
+                        fail(f"rank {r}'s {op} took {e['t']:.1f} s > its timeout_s + 5 = {RAISE_BUILD_TIMEOUT + 5} s")
                     if e["ok"] or e["cls"] != "PeerTimeout" or phase not in (e["phase"] or "") \
                             or e["failing"] != v or str(v) not in e["msg"]:
                         fail(f"rank {r}'s {op} did not raise PeerTimeout naming the phase and rank {v}: {_fmt(e)}")
