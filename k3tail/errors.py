@@ -16,9 +16,10 @@ subclass says why, and its attributes say where:
 Attributes of every :class:`PeerFault`: ``op``, ``rank``, ``world_size``, ``reason`` (``"timeout"``,
 ``"mismatch"``, ``"rejected"``, ``"index"``, ``"aborted"``, ``"poisoned"``), ``failing_rank`` (None
 when unknown), ``detected_by``, ``layer`` (the module prefix) and ``tier`` (the tier name) when a
-``K3MoETail`` raised it.  After any :class:`PeerFault` the group's modules fail every call until
-the documented recovery (``k3tail.reset(group)`` on every rank, or rebuilding the modules;
-docs/integration.md).
+``K3MoETail`` raised it, and ``phase``: None for a call, else the host rendezvous of construction,
+``k3tail.reset`` or the recovery that failed (``k3tail.runtime.comm``: every rank raises there).
+After any :class:`PeerFault` of a call the group's modules fail every call until the documented
+recovery (``k3tail.reset(group)`` on every rank, or rebuilding the modules; docs/integration.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ NO_RANK = 255
 
 RECOVERY = ("the group's k3tail calls fail until k3tail.reset(group) runs on every rank "
             "(or the modules are rebuilt on every rank)")
+HOST_RECOVERY = ("every rank of the group raised this at the same rendezvous; once the peers are back, build "
+                 "the modules again (or run k3tail.reset(group)) on every rank")
 
 
 def decode_record(word: int) -> dict:
@@ -78,8 +81,9 @@ class PeerFault(K3TailError):
     def __init__(self, op: str, rank: int, world_size: int, detail: str = "", *, reason: Optional[str] = None,
                  failing_rank: Optional[int] = None, detected_by: Optional[int] = None,
                  layer: Optional[str] = None, tier: Optional[str] = None, waited_s: Optional[float] = None,
-                 text: Optional[str] = None):
+                 text: Optional[str] = None, phase: Optional[str] = None):
         self.op, self.rank, self.world_size = op, rank, world_size
+        self.phase = phase
         self.reason = reason or self.default_reason
         self.failing_rank, self.detected_by = failing_rank, detected_by
         self.layer, self.tier, self.waited_s, self.detail = layer, tier, waited_s, detail
@@ -96,7 +100,7 @@ class PeerFault(K3TailError):
         msg = f"{where}{self.op}: rank {self.rank} of world size {self.world_size}: {self._what()}"
         if self.detail:
             msg += f" ({self.detail})"
-        return msg + f"; {RECOVERY}"
+        return msg + f"; {RECOVERY if self.phase is None else HOST_RECOVERY}"
 
     def in_call(self, *, layer: str, tier: Optional[str]) -> "PeerFault":
         """The same error, naming the module's layer and the call's tier (K3MoETail re-raises it)."""

@@ -5,8 +5,15 @@ tensor-parallel group, outside CUDA-graph capture) and calls it with the layer's
 
     out[M, H] = prefix_hidden + RMSNorm(sum_r routed_r) @ W_up^T + sum_r shared_r
 
-Construction (DESIGN §4), in this fixed order on every rank:
+Construction (DESIGN §4), in this fixed order on every rank.  Every host rendezvous in it goes
+through :meth:`k3tail.runtime.comm.Comm.exchange` (the process group's store, never its collectives),
+ends by ``timeout_s`` plus ``comm.SLACK_S`` and ends the same way on every rank: every rank gets
+through, or every rank raises (issue 32; a rank that raises between two rendezvous makes its peers
+raise at the next one at once).
 
+0. the first rendezvous: every rank's fault state (:meth:`_GroupCalls.state`); if any rank saw a fault
+   (or the ranks joined different numbers of group headers), every rank recovers the group first
+   (:func:`_recover`) and retires its older modules;
 1. the device (``device=``, else :func:`k3tail.runtime.workspace.resolve_device`: never guessed
    from a CPU group), the static check of the group's collectives on it, and the local probes
    (:func:`k3tail.vote.local_probes`; the P2P probe allocates one tiny workspace on every rank);
@@ -48,8 +55,10 @@ and the reason.  Per process and group (:class:`_GroupCalls`, shared by every mo
   raises a fault in a call that did not join a header *posts* one (not waited for), so that every
   rank joins exactly one header op per faulted call and the group's collectives stay paired;
 * the recovery: :func:`reset` (``k3tail.reset(group)``, collective) re-arms every workspace of
-  the group in place (no allocation: CUDA graphs stay valid); constructing a module on a faulted
-  group does the same and retires the group's older modules.
+  the group in place (no allocation: CUDA graphs stay valid); constructing a module where any rank
+  saw a fault does the same on every rank and retires the group's older modules.  Both first join,
+  on every rank, the group headers a peer still waits in (each rank counts the headers it joined),
+  and every host wait in them is bounded as construction's are.
 
 torch.compile: under compilation ``forward`` calls the ``k3tail::moe_tail`` custom op
 (handle-registry pattern: the op takes an int handle that names the module; its fake
@@ -65,6 +74,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Callable, Dict, Optional
 
@@ -84,7 +94,7 @@ from k3tail.ops.prefill import shard_bounds
 from k3tail.ops.projection import Projector
 from k3tail.ops.tail import LatentTail
 from k3tail.runtime.checks import check_routed, check_tensor
-from k3tail.runtime.comm import SoloComm, comm_for
+from k3tail.runtime.comm import DEFAULT_TIMEOUT_S, SoloComm, comm_for, current_deadline, host_deadline
 from k3tail.runtime.loopback import LoopbackGroup, group_identity
 from k3tail.runtime.modes import interpret_mode, warm_only, warm_only_active
 from k3tail.runtime.workspace import Workspace, create_workspace, resolve_device
@@ -152,6 +162,12 @@ class _GroupCalls:
         self.fault_ws: Optional[Workspace] = None
         self.fault: Optional[K3TailError] = None
         self.pending: list = []
+        self.headers = 0  # group headers this rank joined since the last recovery (calls, posts, failures)
+        self.header_coll = None  # the group kind's collectives (joins the peers' headers on recovery)
+
+    def state(self) -> dict:
+        """What this rank tells its peers at the first rendezvous of a construction or reset."""
+        return {"faulted": self.faulted(), "headers": self.headers}
 
     def faulted(self) -> bool:
         """Has this rank seen a fault of the group (raised one, or its device met one)?"""
@@ -188,22 +204,52 @@ def _group_calls(comm, device: torch.device) -> _GroupCalls:
     return g
 
 
-def _recover(g: _GroupCalls, *, retire: bool, timeout_s: float) -> None:
-    """Re-arm every workspace of the group in place, collectively (every rank calls it at the same
-    point): wait for this rank's pending header operations (each rank joined exactly one per
-    faulted call, so they complete once every rank has raised), let this rank's device work end
-    (every wait ends on the fault word), barrier, re-arm, barrier."""
-    for work in g.pending:
+def _needs_recovery(states: list) -> bool:
+    """Did any rank see a fault, or join another number of group headers (states of one rendezvous)?"""
+    return any(s["faulted"] for s in states) or len({s["headers"] for s in states}) > 1
+
+
+def _recover(g: _GroupCalls, states: list, *, retire: bool) -> None:
+    """Re-arm every workspace of the group in place, collectively: every rank calls it with the same
+    ``states`` (every rank's :meth:`_GroupCalls.state`, from one rendezvous), inside a
+    ``host_deadline`` (every wait here ends by it, on every rank alike).
+
+    1. join the group headers the peers are waiting in: a rank that joined fewer (it skipped a call,
+       or saw no fault) posts the difference (each header is one MIN all-reduce of the same length,
+       so gloo/NCCL pair them in order), then every rank waits for its pending headers;
+    2. let this rank's device work end (every wait ends on the fault word); rendezvous (every rank
+       says whether its headers completed: if one did not, every rank raises here);
+    3. re-arm, rendezvous (every region armed before any rank writes into it)."""
+    d = current_deadline()
+    need = max(s["headers"] for s in states)
+    ok, why = True, ""
+    if need > g.headers:
+        if g.header_coll is None:
+            ok, why = False, f"it joined {g.headers} group headers, its peers {need}, and it has no group collectives"
+        else:
+            W = g.comm.world_size
+            dummy = [_FAILED] * W + [-1] * 8
+            while g.headers < need:
+                g.pending.append(g.header_coll.post(torch.tensor(dummy, dtype=torch.int64,
+                                                                  device=g.header_coll.device)))
+                g.headers += 1
+    end = time.monotonic() + d.wait_s
+    for work in g.pending if ok else ():
         try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            work.wait(timeout=datetime.timedelta(seconds=max(0.1, end - time.monotonic())))
         except RuntimeError as e:
-            raise K3TailError(f"k3tail.reset: rank {g.comm.rank}: a peer never joined the group header of the "
-                              f"faulted call within {timeout_s:.0f} s ({e}); every rank must raise its fault "
-                              f"(or call K3MoETail.check()) before the recovery") from None
+            ok, why = False, f"a pending group header did not complete ({e})"
+            break
     g.pending.clear()
     if g.device.type == "cuda":
         torch.cuda.synchronize(g.device)
-    g.comm.barrier()  # no rank launches into the group's workspaces any more
+    done = g.comm.exchange("recovery: quiesced", (ok, why))  # no rank launches into the workspaces any more
+    bad = [(r, w) for r, (o, w) in enumerate(done) if not o]
+    if bad:
+        r0 = bad[0][0]
+        raise PeerFault("recovery", g.comm.rank, g.comm.world_size, failing_rank=r0, detected_by=r0,
+                        layer=d.layer, phase=d.label("recovery"),
+                        text="; ".join(f"rank {r}: {w}" for r, w in bad) + " (the group's collectives need rebuilding)")
     for op in list(g.members.values()):
         op.rearm()
     if g.fault_ws is not None:
@@ -217,24 +263,34 @@ def _recover(g: _GroupCalls, *, retire: bool, timeout_s: float) -> None:
         g.layers.clear()
     if g.device.type == "cuda":
         torch.cuda.synchronize(g.device)
-    g.comm.barrier()  # every region armed again before any rank may write into it
-    g.seq, g.fault = 0, None
+    g.comm.exchange("recovery: re-armed")  # every region armed again before any rank may write into it
+    g.seq, g.fault, g.headers = 0, None, 0
 
 
-def reset(group=None, *, device=None, timeout_s: float = 60.0) -> None:
+def reset(group=None, *, device=None, timeout_s: Optional[float] = None) -> None:
     """Recover ``group``'s K3MoETail modules after a fault, in place: collective, every rank of the
     group calls it at the same point, after each has raised its fault (or ``K3MoETail.check()``
     raised).  Every workspace of the group's modules is re-armed where it is (nothing is allocated,
     so captured CUDA graphs stay valid), the fault words are cleared and the call sequence
     restarts; the modules are then exact again.  ``device``: only the group's modules on that
-    device (default: all).  Also safe on a healthy group (every rank idle)."""
+    device (default: all).  Also safe on a healthy group (every rank idle).
+
+    Bounded: every host wait ends within ``timeout_s`` (default: the largest ``timeout_s`` of the
+    group's modules on this rank, else 60 s) plus ``k3tail.runtime.comm.SLACK_S``, on every rank
+    alike: a rank that does not come raises :class:`k3tail.PeerTimeout` (``e.phase`` names where) on
+    every rank, and so on for a rank that is elsewhere (:class:`k3tail.PeerMismatch`)."""
     comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
     ident = group_identity(comm)
     with _groups_lock:
-        gs = [g for (i, d), g in sorted(_groups.items(), key=lambda kv: kv[0][1])
-              if i == ident and (device is None or d == str(resolve_device(comm, device)))]
-    for g in gs:
-        _recover(g, retire=False, timeout_s=timeout_s)
+        gs = {d: g for (i, d), g in _groups.items()
+              if i == ident and (device is None or d == str(resolve_device(comm, device)))}
+    if timeout_s is None:
+        timeout_s = max((m.timeout_s for g in gs.values() for m in list(g.modules)), default=DEFAULT_TIMEOUT_S)
+    with host_deadline(comm, timeout_s, what="k3tail.reset"):
+        states = comm.exchange("start", {d: g.state() for d, g in gs.items()})
+        for dev in sorted(set().union(*states)):
+            g = gs.get(dev) or _group_calls(comm, torch.device(dev))
+            _recover(g, [s.get(dev, {"faulted": False, "headers": 0}) for s in states], retire=False)
 
 
 # ----------------------------------------------------------------------- the module
@@ -274,6 +330,22 @@ class K3MoETail(nn.Module):
                  warmup: bool = True, _multimem_alloc: Optional[Callable] = None,
                  _multimem_allreduce: Optional[Callable] = None):
         super().__init__()
+        self.group = group
+        self.comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
+        # every host rendezvous of the construction ends by timeout_s (+ comm.SLACK_S) on every rank alike;
+        # a rank that raises before or between them (an argument only it rejects, its own ValueError)
+        # abandons its next rendezvous, so its peers raise there at once and every rank stays in step
+        t = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else DEFAULT_TIMEOUT_S
+        with host_deadline(self.comm, t, what=f"K3MoETail {prefix!r} construction",
+                           layer=prefix if isinstance(prefix, str) else None):
+            self._construct(config, group, prefix, device, lane_max_tokens, large_m, exchange, tactics_table,
+                            tactics, timeout_s, pool_depth, _multimem_alloc, _multimem_allreduce)
+        if warmup:
+            self.warmup()
+
+    def _construct(self, config, group, prefix, device, lane_max_tokens, large_m, exchange, tactics_table, tactics,
+                   timeout_s, pool_depth, _multimem_alloc, _multimem_allreduce) -> None:
+        """The construction (the module docstring's steps; step 0: every rank's fault state)."""
         if not isinstance(config, TailConfig):
             raise ValueError(f"config must be a TailConfig, got {type(config).__name__}")
         config.validate()
@@ -292,10 +364,7 @@ class K3MoETail(nn.Module):
             raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: {', '.join(TUNED_OPS)})")
         cfg = self.config = dataclasses.replace(config)
         self.prefix, self.timeout_s, self.large_m = prefix, float(timeout_s), large_m
-        self.group = group
-        self.comm = SoloComm() if group is None and not dist.is_initialized() else comm_for(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        W = self.world_size
         self.device = resolve_device(self.comm, device)
         loopback = isinstance(self.comm, LoopbackGroup)
         # what the group cannot do on this device fails here, before the probes allocate anything
@@ -304,8 +373,11 @@ class K3MoETail(nn.Module):
         # every rank has raised its fault) and retires the modules built before it
         g = self._group = _group_calls(self.comm, self.device)
         self._retired = False
-        if W > 1 and g.faulted():
-            _recover(g, retire=True, timeout_s=self.timeout_s + 5.0)
+        W = self.world_size
+        if W > 1:  # 0. every rank's fault state: if any rank saw a fault, every rank recovers the group first
+            states = self.comm.exchange("start", g.state())
+            if _needs_recovery(states):
+                _recover(g, states, retire=True)
         old = g.layers.get(prefix)
         if old is not None and old() is not None and not old()._retired:
             raise ValueError(f"prefix {prefix!r}: a live K3MoETail with this prefix already exists in this group "
@@ -380,6 +452,8 @@ class K3MoETail(nn.Module):
         for op in (ctx.tail, ctx.lane, ctx.solo, *ctx.coll.workspaces_ops()):
             if op is not None:
                 g.register(op)
+        if kind == "group":
+            g.header_coll = ctx.coll
         self._kind = kind
         self._layer_id = g.next_layer
         g.next_layer += 1
@@ -393,8 +467,6 @@ class K3MoETail(nn.Module):
         self._up_rows = b[self.rank + 1] - b[self.rank] if cfg.shard_up_proj else cfg.hidden
         self._handle = next(_handle_ids)
         _handles[self._handle] = weakref.ref(self)
-        if warmup:
-            self.warmup()
 
     # ------------------------------------------------------------------ public API
     def tier_for(self, num_tokens: int, graph_phase: bool) -> Tier:
@@ -624,6 +696,7 @@ class K3MoETail(nn.Module):
         def on_late():
             post_abort(g.fault_ws, _CODES["timeout"], None, r)
 
+        g.headers += 1
         res, late = self._ctx.coll.header(v, self.timeout_s, on_late)
         if word:
             raise g.fault_ws.error("K3MoETail", self.timeout_s, before=False)
@@ -662,6 +735,7 @@ class K3MoETail(nn.Module):
         tier = plan.tier.name if plan is not None else None
         if self._kind == "group" and not _capturing(self.device):
             g.pending.append(self._ctx.coll.post(self._header_vec(status=_FAILED)))
+            g.headers += 1
         post_abort(g.fault_ws, _CODES["rejected"], r, r)
         if isinstance(e, TierUnavailable):
             err = TierUnavailable(f"{e} (rank {r} of {W}: its peers were told; the group's k3tail calls fail "
@@ -688,6 +762,7 @@ class K3MoETail(nn.Module):
             if self._kind == "group" and not joined and not _capturing(self.device):
                 own = err.detected_by in (None, self.rank)  # this rank met it, or only relays a peer's record
                 g.pending.append(self._ctx.coll.post(self._header_vec(status=_FAILED if own else _RELAY)))
+                g.headers += 1
         return err
 
     def check(self) -> None:
@@ -712,8 +787,10 @@ class K3MoETail(nn.Module):
                              joined=False)
 
     def reset(self) -> None:
-        """``k3tail.reset`` of this module's group and device (collective: every rank, same point)."""
-        _recover(self._group, retire=False, timeout_s=self.timeout_s + 5.0)
+        """``k3tail.reset`` of this module's group and device (collective: every rank, same point; every
+        host wait ends by ``timeout_s`` plus ``k3tail.runtime.comm.SLACK_S`` on every rank alike)."""
+        with host_deadline(self.comm, self.timeout_s, what=f"K3MoETail {self.prefix!r}.reset()", layer=self.prefix):
+            _recover(self._group, self.comm.exchange("start", self._group.state()), retire=False)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -72,7 +72,7 @@ class OneShotAllReduce:
             tag_bytes = NUM_STAGES * W * max_tokens * chunks * 4
             arm32 = ((0, nbytes),) if dtype == torch.float32 else ()
             self.ws = create_workspace(group, tag_off + tag_bytes, device=self.device, what=self.op_name,
-                                       arm32=arm32 + ((tag_off, tag_bytes),))
+                                       arm32=arm32 + ((tag_off, tag_bytes),), timeout_s=self.timeout_s)
             self.device = self.ws.device
             pdl = L.pdl_enabled(self.device)
             self._variant = _KERNEL.variant(

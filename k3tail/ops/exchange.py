@@ -12,7 +12,7 @@ import torch
 from k3tail.runtime import launch as L
 from k3tail.errors import K3TailError
 from k3tail.triton_kernels.exchange import CTRL_EPOCH, barrier_kernel, gather_cols_kernel
-from k3tail.runtime.comm import comm_for
+from k3tail.runtime.comm import comm_for, host_deadline
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.workspace import create_workspace, resolve_device
 from k3tail.runtime.checks import check_tensor
@@ -85,13 +85,14 @@ class PeerExchange:
             self.areas[name] = (off, size)
             off += _round_up(size)
         dev = resolve_device(self.comm, device)  # ValueError naming device= before any collective
-        self._agree(areas)
-        self.ws = ws = create_workspace(group, off, device=dev, what=self.op_name)
-        self.device = ws.device
-        ws.local[:8 * W].zero_()  # flags start at epoch 0 (the region is armed with -0.0 bits)
-        if ws.device.type == "cuda":
-            torch.cuda.synchronize(ws.device)
-        self.comm.barrier()  # every rank's flags zeroed before anyone can arrive
+        with host_deadline(self.comm, self.timeout_s, what=self.op_name):  # bounded, rank-uniform rendezvous
+            self._agree(areas)
+            self.ws = ws = create_workspace(group, off, device=dev, what=self.op_name)
+            self.device = ws.device
+            ws.local[:8 * W].zero_()  # flags start at epoch 0 (the region is armed with -0.0 bits)
+            if ws.device.type == "cuda":
+                torch.cuda.synchronize(ws.device)
+            self.comm.barrier()  # every rank's flags zeroed before anyone can arrive
         self._tables = {name: ws.table + o for name, (o, _) in self.areas.items()}
         self._bounds: dict = {}
         self._calls = CallCounter()

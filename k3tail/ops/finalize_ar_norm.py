@@ -123,7 +123,7 @@ class _FusedBase:
             self._tag_off = -(-(n32 + n16) // 256) * 256
             ntag = NUM_STAGES * W * max_tokens * self._tag_stride * 4
             self.ws = create_workspace(group, self._tag_off + ntag, device=dev, what=self.op_name,
-                                       arm32=((0, n32), (self._tag_off, ntag)))
+                                       arm32=((0, n32), (self._tag_off, ntag)), timeout_s=self.timeout_s)
             self.device = self.ws.device
         else:  # a world of one: no slots, only the fault block the kernel posts an INDEX fault into
             self.ws = local_workspace(0, dev)

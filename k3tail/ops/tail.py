@@ -185,13 +185,14 @@ _pools: dict = {}
 _pools_lock = threading.Lock()
 
 
-def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype) -> _Set:
+def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype, timeout_s) -> _Set:
     lay = workspace_layout(hidden=hidden, latent=latent, world_size=W, max_tokens=max_tokens, dtype=dtype)
     arm32 = ((0, lay["arm32_bytes"]),)
     if comm is None:
         ws = local_workspace(lay["nbytes"], device, arm32)
     else:
-        ws = create_workspace(group, lay["nbytes"], device=device, what="LatentTail", arm32=arm32)
+        ws = create_workspace(group, lay["nbytes"], device=device, what="LatentTail", arm32=arm32,
+                              timeout_s=timeout_s)
     dev = ws.device
     shard = -(-hidden // W)  # rs32 holds this rank's shard (at most the widest)
     rows = max(max_tokens, BLOCK_M)
@@ -304,7 +305,7 @@ class LatentTail:
         self.pool_slot = slot
         while len(pool.sets) <= slot:  # collective: every rank reaches this in the same order
             pool.sets.append(_new_set(pool.alloc_group, self.comm, self.world_size, dev, self.hidden,
-                                      self.latent, self.max_tokens, self.dtype))
+                                      self.latent, self.max_tokens, self.dtype, self.timeout_s))
         return pool.sets[slot]
 
     @classmethod

@@ -13,7 +13,7 @@ import torch
 
 from k3tail.runtime.modes import warm_only
 from k3tail.runtime.sentinel import arm_region
-from k3tail.runtime.comm import Comm
+from k3tail.runtime.comm import Comm, LocalStore, Rendezvous
 from k3tail.errors import K3TailError
 
 __all__ = ["LoopbackGroup", "LoopbackWorld", "group_identity", "rank_streams"]
@@ -70,8 +70,7 @@ class LoopbackWorld:
         self.streams = rank_streams(self.device, world_size)
         self._lock = threading.Lock()
         self._regions: dict = {}
-        self._barrier = threading.Barrier(world_size)
-        self._slots: List[Any] = [None] * world_size
+        self.store = LocalStore()  # the rank threads' host rendezvous (k3tail.runtime.comm.Rendezvous)
         self._groups = [LoopbackGroup(self, r) for r in range(world_size)]
         # host seconds each rank's ``fn`` took to issue in the last run(): a rank that blocks the one
         # issuing thread while a peer's kernel spins (a host read, a module load) shows here
@@ -84,7 +83,10 @@ class LoopbackWorld:
         return self._groups[rank]
 
     def build(self, fn: Callable[[int], Any]) -> list:
-        """Run ``fn(rank)`` for every rank in its own thread (for collective construction)."""
+        """Run ``fn(rank)`` for every rank in its own thread (for collective construction).  The rank
+        threads' host rendezvous end by their deadlines (``k3tail.runtime.comm``): a rank thread that
+        fails inside a construction ends its peers' next rendezvous at once; the error raised here is
+        the first rank's own (not a peer's rendezvous fault that followed from it)."""
         results: List[Any] = [None] * self.world_size
         errors: List[Any] = [None] * self.world_size
 
@@ -94,18 +96,13 @@ class LoopbackWorld:
                 results[r] = fn(r)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors[r] = e
-                self._barrier.abort()
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world_size)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        self._barrier.reset()
-        for r, e in enumerate(errors):
-            if e is not None and not isinstance(e, threading.BrokenBarrierError):
-                raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
-        for r, e in enumerate(errors):
+        for r, e in sorted(enumerate(errors), key=lambda re: getattr(re[1], "phase", None) is not None):
             if e is not None:
                 raise K3TailError(f"loopback rank {r} failed during construction: {e!r}") from e
         return results
@@ -149,15 +146,6 @@ class LoopbackWorld:
             cur.wait_stream(s)
         return out
 
-    # -- host collectives among the rank threads of build() ------------------------
-    def _exchange(self, rank: int, value: Any) -> List[Any]:
-        self._barrier.wait()
-        self._slots[rank] = value
-        self._barrier.wait()
-        vals = list(self._slots)
-        self._barrier.wait()
-        return vals
-
     def _region(self, seq: int, nbytes: int, arm32=()) -> List[torch.Tensor]:
         with self._lock:
             if seq not in self._regions:
@@ -181,16 +169,22 @@ class LoopbackGroup(Comm):
         self.world, self.rank, self.world_size = world, rank, world.world_size
         self._seq = 0
         self.name = f"loopback{world.world_size}"
+        self._rdv_: Optional[Rendezvous] = None
 
-    def all_reduce_min(self, values):
-        rows = self.world._exchange(self.rank, list(values))
-        return [min(col) for col in zip(*rows)]
+    @property
+    def _rdv(self) -> Rendezvous:
+        """This rank thread's side of the world's host rendezvous (made on first use)."""
+        if self._rdv_ is None:
+            self._rdv_ = Rendezvous(self.world.store, f"loopback-{id(self.world)}", self.rank, self.world_size)
+        return self._rdv_
 
-    def broadcast_object(self, obj, src=0):
-        return self.world._exchange(self.rank, obj)[src]
+    def exchange(self, what, state=None):
+        """The rank threads' states (``Comm.exchange``), through the world's :class:`LocalStore`: bounded
+        by the current host deadline, the same outcome on every rank thread."""
+        return self._rdv.exchange(what, state)
 
-    def barrier(self):
-        self.world._exchange(self.rank, None)
+    def abandon(self, error):
+        self._rdv.abandon(error)
 
     @property
     def stream(self) -> torch.cuda.Stream:

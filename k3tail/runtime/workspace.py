@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from k3tail.errors import K3TailError, fault_error
-from k3tail.runtime.comm import Comm, DistComm, comm_for
+from k3tail.runtime.comm import Comm, DistComm, comm_for, host_deadline
 from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.sentinel import arm_region
@@ -225,7 +225,7 @@ def local_workspace(nbytes: int, device: torch.device, arm32=()) -> Workspace:
 
 
 def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = None,
-                     what: str = "k3tail", arm32=()) -> Workspace:
+                     what: str = "k3tail", arm32=(), timeout_s: Optional[float] = None) -> Workspace:
     """Allocate (collectively) a region of ``nbytes`` per rank and build its peer table.
 
     Every rank of ``group`` must call this in the same order with the same arguments.
@@ -233,17 +233,22 @@ def create_workspace(group, nbytes: int, *, device: Optional[torch.device] = Non
     group's regions are always on its world's device).  The region is armed with 16-bit sentinels,
     except the ``(offset, nbytes)`` ranges in
     ``arm32`` (fp32 slots), before the closing barrier.
+
+    Every host rendezvous inside ends by ``timeout_s`` (None: the enclosing
+    ``k3tail.runtime.comm.host_deadline``'s, e.g. the constructing module's) plus the slack, on every
+    rank alike (``k3tail.runtime.comm``).
     """
     arm32 = tuple((int(o), int(n)) for o, n in arm32)
     _check_not_capturing(what)
     ctrl_off, nbytes = _layout(nbytes)
     comm = comm_for(group)
     device = resolve_device(comm, device)  # ValueError before anything is allocated
-    if isinstance(comm, LoopbackGroup):
-        return _loopback_workspace(comm, nbytes, ctrl_off, arm32)
-    if device.type == "cpu":
-        return _shm_workspace(comm, nbytes, ctrl_off, arm32)
-    return _symm_mem_workspace(comm, nbytes, ctrl_off, device, arm32)
+    with host_deadline(comm, timeout_s, what=f"workspace {what}"):
+        if isinstance(comm, LoopbackGroup):
+            return _loopback_workspace(comm, nbytes, ctrl_off, arm32)
+        if device.type == "cpu":
+            return _shm_workspace(comm, nbytes, ctrl_off, arm32)
+        return _symm_mem_workspace(comm, nbytes, ctrl_off, device, arm32)
 
 
 def _loopback_workspace(comm: LoopbackGroup, nbytes: int, ctrl_off: int, arm32) -> Workspace:
@@ -273,20 +278,28 @@ def _shm_workspace(comm: Comm, nbytes: int, ctrl_off: int, arm32) -> Workspace:
             os.ftruncate(fd, total)
         finally:
             os.close(fd)
-    name = comm.broadcast_object(name, src=0)
+    mm, err = None, None
     try:
-        fd = os.open(name, os.O_RDWR)
+        name = comm.broadcast_object(name, src=0)
         try:
-            mm = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
+            fd = os.open(name, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            err = e
+        mapped = comm.exchange("mapped", err is None)  # everyone mapped it (or failed): the name can go
     finally:
-        comm.barrier()  # everyone mapped it (or failed): the name can go
-        if comm.rank == 0:
+        if comm.rank == 0 and name is not None:
             try:
                 os.unlink(name)
             except FileNotFoundError:
                 pass
+    if not all(mapped):  # every rank raises: none goes on to a rendezvous that a peer skips
+        bad = [r for r, ok in enumerate(mapped) if not ok]
+        raise K3TailError(f"shared-memory workspace: rank(s) {bad} could not map {name}"
+                          + (f" ({type(err).__name__}: {err})" if err is not None else ""))
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     local = whole[comm.rank * nbytes:(comm.rank + 1) * nbytes]
     arm_region(local, arm32)
@@ -310,6 +323,7 @@ def _symm_mem_workspace(comm: DistComm, nbytes: int, ctrl_off: int, device: torc
         except Exception:  # already enabled, or not needed on this torch
             pass
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    comm.barrier()  # bounded: every rank enters torch's rendezvous (it waits on the store, unbounded by us)
     hdl = symm_mem.rendezvous(buf, group_name)
     arm_region(buf, arm32)
     ctrl = _ctrl_view(buf, ctrl_off)
