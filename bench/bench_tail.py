@@ -35,15 +35,19 @@ from k3tail.tools.bench_results import results_meta  # noqa: E402
 from k3tail.tools.timing import time_graph  # noqa: E402
 
 H, LAT, TOPK = 7168, 3584, 16
-# kernel B's tile on the GEMM family's K loop (BLOCK_K 64, no split-K: every tile gives the same bits;
-# b_k_unroll only unrolls the K loop, same chunks in the same order).  Each result is checked bit-identical
-# to the default tactic's: a tactic that is not is reported and left out.
-SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st, b_k_unroll=u)
-         for bn, sw, tma, w, st, u in [
-             (16, True, False, 4, 8, 1), (16, True, False, 4, 16, 2), (16, True, False, 4, 8, 4),
-             (16, True, False, 4, 4, 7), (16, True, False, 4, 8, 7), (16, True, True, 4, 8, 4),
-             (32, True, False, 4, 8, 4), (16, False, False, 4, 8, 4), (16, True, False, 8, 8, 4),
-             (16, True, True, 4, 4, 7)]]
+# kernel B's tile on the GEMM family's reduction tree (gemm.tree_chunks: 8 chunks of K at K3; every tile
+# and every b_split gives the same bits: b_split only says how many programs share one N tile's chunks,
+# b_k_unroll only unrolls a chunk's loop).  Each result is checked bit-identical to the default tactic's:
+# a tactic that is not is reported and left out.
+SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st, b_k_unroll=u, b_split=sp)
+         for bn, sw, tma, w, st, u, sp in [
+             # the tree in one program per N tile (the old grid: 56 programs at W = 8)
+             (16, True, False, 4, 16, 1, 1), (16, True, False, 4, 8, 7, 1),
+             # the tree's chunks over 2, 4 and 8 programs per N tile
+             (16, True, False, 4, 8, 1, 2), (16, True, False, 4, 8, 1, 4), (16, True, False, 4, 8, 1, 8),
+             (16, True, False, 4, 4, 1, 8), (16, True, False, 4, 8, 7, 8), (16, True, False, 4, 4, 7, 8),
+             (16, True, True, 4, 8, 1, 8), (16, True, True, 4, 4, 7, 8), (32, True, False, 4, 8, 1, 8),
+             (16, False, False, 4, 8, 1, 8), (16, True, False, 2, 8, 1, 8), (16, True, False, 8, 8, 1, 8)]]
 
 
 def median_us(fn, n_inner: int, n_rep: int = 50) -> float:

@@ -143,6 +143,26 @@ def project(normed: torch.Tensor, up_weight: torch.Tensor, prefix_hidden: Option
     return out
 
 
+def project_tree(normed: torch.Tensor, up_weight: torch.Tensor, chunks: int, block_k: int = 64) -> torch.Tensor:
+    """The projection's reduction tree in torch (DESIGN §10, ``triton_kernels/gemm.py``): fp32
+    ``acc [M, N]`` of ``normed @ up_weight^T`` with K cut into ``chunks`` chunks of whole ``block_k``
+    tiles (``gemm.tree_chunks``), each chunk's partial rounded to fp32 once (from fp64) and the
+    partials added in fp32 in chunk order, ``((p0 + p1) + p2) + ...``.  The kernels form a chunk's
+    partial in fp32 MMA steps, so the two agree bit for bit where every chunk's partial sums are exact
+    in fp32 (small integers, say): there the result depends on the tree's shape and order alone."""
+    M, K = normed.shape
+    tiles = -(-K // block_k)
+    if chunks < 1 or tiles % chunks:
+        raise ValueError(f"chunks ({chunks}) must divide the {tiles} K tiles")
+    width = tiles // chunks * block_k
+    a, w = f64(normed), f64(up_weight)
+    acc = None
+    for c in range(chunks):
+        part = (a[:, c * width:(c + 1) * width] @ w[:, c * width:(c + 1) * width].T).to(torch.float32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
 def tail_tie_slack(*, partials: Sequence[torch.Tensor], norm_weight: torch.Tensor, up_weight: torch.Tensor,
                    eps: float, latent_dtype: torch.dtype = torch.bfloat16, tie_ulp: float = 2.0 ** -11):
     """Per-output absolute slack for latent elements that may legitimately round either way.

@@ -307,7 +307,7 @@ def test_candidates_compile_for_sm90(half):
 
 
 _B_COMPILER = r"""
-import json, os, sys
+import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -324,22 +324,27 @@ prefix = torch.empty(BM, H, dtype=torch.bfloat16)
 table = torch.empty(W, dtype=torch.int64)
 mc = torch.empty(1, dtype=torch.int64)
 ctrl = torch.empty(16, dtype=torch.int32)
+part = torch.empty(8 * BM * (S + 256), dtype=torch.float32)
+cnt = torch.empty(S // 16, dtype=torch.int32)
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
 binder = create_function_from_signature(kern.signature, kern.params, backend)
 res = {}
-for tma, swap, multicast, unroll in json.loads(sys.argv[1]):
+for tma, swap, multicast, unroll, split in json.loads(sys.argv[1]):
     nd = TensorDescriptor(normed, [5, Lt], [Lt, 1], [BM, 64]) if tma else None
     wd = TensorDescriptor(w, [S, Lt], [Lt, 1], [BN, 64]) if tma else None
     kw = dict(HIDDEN=H, LATENT=Lt, SHARD=S, W=W, MB_BYTES=1 << 20, PAD_BYTES=1 << 21, BLOCK_M_=BM, BLOCK_N=BN,
-              SWAP_AB=swap, USE_TMA=tma, K_UNROLL=unroll, MULTICAST=multicast, USE_PDL=True, num_warps=4,
+              SWAP_AB=swap, USE_TMA=tma, K_UNROLL=unroll, TREE_S=8, B_SPLIT=split, MULTICAST=multicast,
+              USE_PDL=True, num_warps=4,
               num_stages=32 if unroll == 1 else 8,
               launch_pdl=True)
-    bound, spec, opts = binder(normed, w, rs32, prefix, nd, wd, table, mc, ctrl, 3, 5, **kw)
+    bound, spec, opts = binder(normed, w, rs32, prefix, nd, wd, table, mc, ctrl, part, cnt, 3, 5, **kw)
     options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, opts)
     k = triton.compile(ASTSource(kern, signature, constexprs, attrs), target=target, options=options.__dict__)
     ptx = k.asm["ptx"]
-    res[f"{tma}/{swap}/{multicast}/{unroll}"] = dict(
+    res[f"{tma}/{swap}/{multicast}/{unroll}/{split}"] = dict(
+        ticket=any({"acq_rel", "gpu", "add"} <= set(m.split(".")) for m in re.findall(r"atom[.\w]*", ptx)),
+        vote="bar.red.or.pred" in ptx, cg_loads="ld.global.cg" in ptx,
         mma="mma.sync" in ptx or "wgmma.mma_async" in ptx, n_mma=ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
         tma="cp.async.bulk.tensor" in ptx,
         cp_async="cp.async.cg" in ptx or "cp.async.ca" in ptx, gdc="griddepcontrol.wait" in ptx,
@@ -349,26 +354,32 @@ print("RESULT" + json.dumps(res))
 
 
 def test_tail_b_compiles_for_sm90():
-    """TAIL_FUSION's kernel B on the family's K loop: every (TMA, swap) combination and the
+    """TAIL_FUSION's kernel B on the family's reduction tree: every (TMA, swap) combination and the
     multicast-store variant compile for sm_90 at the K3 W = 8 shard with PDL and 32 stages (the
     decode default); tensor-core MMAs, TMA bulk copies or cp.async pipelining, ``gdc_wait``.  The
-    unrolled K loop (``b_k_unroll`` 4 and 7, 8 stages) too: it issues K_UNROLL times the MMAs per trip."""
-    combos = [[tma, swap, False, 1] for tma in (True, False) for swap in (True, False)] + [[True, True, True, 1]]
-    combos += [[False, True, False, 4], [True, True, False, 4], [False, True, False, 7]]
+    unrolled chunk loop (``b_k_unroll`` 4 and 7, 8 stages) too: it issues more MMAs per trip.  The
+    split variants (``b_split`` 2 and 8 of the tree's 8 chunks) take a gpu-scope acq_rel ticket,
+    decide by a CTA-wide vote and read the partials from L2 (``ld.global.cg``); ``b_split`` 1 has
+    none of the three (the tree in registers)."""
+    combos = [[tma, swap, False, 1, 1] for tma in (True, False) for swap in (True, False)] + [[True, True, True, 1, 1]]
+    combos += [[False, True, False, 4, 1], [True, True, False, 4, 1], [False, True, False, 7, 1]]
+    combos += [[False, True, False, 1, 8], [True, True, False, 7, 8], [False, False, False, 1, 2],
+               [True, True, True, 1, 8]]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _B_COMPILER, json.dumps(combos)], capture_output=True, text=True,
                        env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.split("RESULT", 1)[1])
     base = {}
-    for (tma, swap, mc, unroll), v in zip(combos, res.values()):
-        print(tma, swap, mc, unroll, v)
+    for (tma, swap, mc, unroll, split), v in zip(combos, res.values()):
+        print(tma, swap, mc, unroll, split, v)
         assert v["mma"] and v["gdc"], v
         assert v["tma"] if tma else v["cp_async"], v
         assert v["multimem"] == mc, v
-        if unroll == 1 and not mc:
+        assert v["ticket"] == v["vote"] == v["cg_loads"] == (split > 1), v
+        if unroll == 1 and not mc and split == 1:
             base[tma, swap] = v["n_mma"]
-        elif unroll > 1:  # the unrolled loop body holds more MMAs (the 56 chunks stay 56: 3584 / 64)
+        elif unroll > 1 and split == 1:  # the unrolled loop body holds more MMAs
             assert v["n_mma"] > base[tma, swap], (v, base)
 
 

@@ -20,6 +20,7 @@ import k3tail
 from k3tail import reference as R
 from k3tail import testing as T
 from k3tail.errors import PeerTimeout, WorkspacePoisoned
+from k3tail.triton_kernels.gemm import tree_chunks
 
 SMALL = (512, 256, 4)
 K3 = (7168, 3584, 16)
@@ -286,9 +287,9 @@ def check_rounded_once(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, what
 
 def test_shard_gemm_tiles():
     """Kernel B alone in its tile configs (weights on the MMA's M or N side, 16..64 shard rows per
-    program, the K loop unrolled or not): the product rounded once, every element written, L a multiple
-    of BLOCK_K (64) or not, shard rows a multiple of the tile or not; and the same bits in every config
-    (one K order)."""
+    program, the K loop unrolled or not, the tree's chunks split over 1, 2 or 4 programs): the product
+    rounded once, every element written, L a multiple of BLOCK_K (64) or not, shard rows a multiple of
+    the tile or not; and the same bits in every config (one reduction tree)."""
     from k3tail.ops.tail import shard_gemm
 
     for N, Lt in ((64, 200), (72, 256), (40, 136)):
@@ -302,7 +303,12 @@ def test_shard_gemm_tiles():
                       # the unrolled K loop: 2 and 3 chunks per trip (with and without a remainder loop),
                       # 8 (more than the 3..4 chunks: the remainder loop alone)
                       {"b_swap_ab": True, "b_block_n": 16, "b_k_unroll": 2}, {"b_block_n": 16, "b_k_unroll": 3},
-                      {"b_swap_ab": True, "b_block_n": 32, "b_k_unroll": 8}):
+                      {"b_swap_ab": True, "b_block_n": 32, "b_k_unroll": 8},
+                      # the reduction tree's chunks shared by 2 or 4 programs per N tile (Lt 200 and 256:
+                      # 4 K tiles, a tree of 4 chunks; Lt 136: 3 tiles, a tree of 1 -- no split)
+                      *([{"b_swap_ab": True, "b_block_n": 16, "b_split": 2}, {"b_block_n": 32, "b_split": 4},
+                         {"b_swap_ab": True, "b_block_n": 16, "b_split": 4, "b_k_unroll": 2}]
+                        if tree_chunks(Lt) == 4 else [])):
                 out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
                 shard_gemm(a, w, out=out, tactics=t)
                 check_rounded_once(out, a, w, f"shard_gemm {t} N={N} L={Lt} M={M}")
@@ -312,7 +318,8 @@ def test_shard_gemm_tiles():
     a = T.randn((3, 200), torch.bfloat16, 5)
     w = T.randn((64, 200), torch.bfloat16, 6, scale=200 ** -0.5)
     for bad in ({"b_swap_ab": 1}, {"b_tma": "yes"}, {"b_block_n": 24}, {"b_block_n": 8}, {"b_gemv_rows": 8},
-                {"b_k_unroll": 0}, {"b_k_unroll": True}):
+                {"b_k_unroll": 0}, {"b_k_unroll": True}, {"b_split": 3}, {"b_split": 8}, {"b_split": 0},
+                {"b_split": True}, {"b_block_n": 512}):
         with pytest.raises(ValueError, match="b_"):
             shard_gemm(a, w, tactics=bad)
 

@@ -18,10 +18,15 @@ Buffers (read only unless named):
   * ``out [M, N]`` (bf16, fp16 or fp32; any strides): written, every element of it, once.
 
 Arithmetic (identical in every variant, every config, every M):
-  * ``acc`` (fp32) starts at zero and takes one ``tl.dot`` per ``BLOCK_K = 64`` chunk of K, in
-    ascending K order: ``acc = tl.dot(A_chunk, B_chunk, acc)`` (:func:`mma_chunk`), tensor
-    cores at every M (never a GEMV/FMA path), no split-K of any kind, no K loop unrolled into
-    independent partial sums;
+  * the reduction tree (DESIGN §10, issue 29): K is cut into ``S = tree_chunks(K)`` chunks of
+    ``K_TILES / S`` BLOCK_K = 64 tiles (K3: S = 8 chunks of 7 tiles = 448); each chunk's fp32
+    partial starts at zero and takes one ``tl.dot`` per tile, in ascending K order:
+    ``p_s = tl.dot(A_tile, B_tile, p_s)`` (:func:`mma_chunk`, tensor cores at every M, never a
+    GEMV/FMA path); the partials are added in chunk order, ``acc = ((p_0 + p_1) + p_2) + ...``
+    in fp32.  One program computes the whole tree here (:func:`k_loop_ptr` / :func:`k_loop_tma`:
+    two accumulators, the running chunk and the running sum); TAIL_FUSION's kernel B spreads the
+    chunks over programs and adds the same partials in the same order (``tail_fusion_b.py``), so
+    the bits are the same.  ``S = 1`` (K of at most 64, or an odd tile count) is one chain;
   * epilogue in fp32, in exactly this order: ``(prefix + acc) + shared``, then ONE
     round-to-nearest-even into ``out``'s dtype (:func:`lamport.round_to`; bit-exact under the
     interpreter too): :func:`finish_tile`, the same operations in the same order as
@@ -34,19 +39,21 @@ Batch invariance (the point of this file)
 =========================================
 Invariant: the fp32 ``acc`` of output element (m, n) is a function of row m of ``normed`` and
 row n of ``W`` only.  It does not depend on M, on the row's position in the batch, on
-BLOCK_M/BLOCK_N, on warps, stages, grid order or persistence, or on whether A and B are
-swapped (weights on the MMA's M side).  What keeps it:
-  1. BLOCK_K is a module constant (64), not a tactic, and the K loop is sequential and
-     ascending: each element's fp32 accumulator goes through the same chain of k16 MMA steps
-     (a 64-wide ``tl.dot`` lowers to four k16 steps, in order), whatever the tile;
-  2. no split-K (no key for it exists) and no second accumulator: the chain is never cut;
+BLOCK_M/BLOCK_N, on warps, stages, grid order or persistence, on how many programs share the
+chunks (kernel B's ``b_split``), or on whether A and B are swapped (weights on the MMA's M side).
+What keeps it:
+  1. BLOCK_K is a module constant (64), not a tactic, and each chunk's K loop is sequential and
+     ascending: each chunk partial goes through the same chain of k16 MMA steps (a 64-wide
+     ``tl.dot`` lowers to four k16 steps, in order), whatever the tile;
+  2. the tree's shape is :func:`tree_chunks` of K (no tactic key reaches it) and its partials
+     are added in one fixed order, in whichever program adds them;
   3. every row/column of an MMA is independent of the others: rows beyond M and columns
      beyond N are clamped duplicates (pointer variant) or zeros (TMA), never stored, and the
      K tail past K is zeros in both, so neighbours cannot leak in;
   4. the epilogue is elementwise (operations and order fixed above);
-  5. the accumulator starts at +0.0 (``tl.zeros``) in every config.
-Observed on the H200 (Triton 3.6): a plain ``tl.dot`` GEMM of this form (BLOCK_K 64,
-sequential K, no split-K) gave bitwise-identical rows across BLOCK_M 16..128, BLOCK_N
+  5. every chunk accumulator starts at +0.0 (``tl.zeros``) in every config.
+Observed on the H200 (Triton 3.6), before the tree (one chain, S = 1): a plain ``tl.dot`` GEMM
+of this form (BLOCK_K 64, sequential K) gave bitwise-identical rows across BLOCK_M 16..128, BLOCK_N
 16..256, 2..8 warps, 2..4 stages and A/B swapped, for every M in 1..4096 and N in
 7168/1792/896 -- including ``mma.sync`` tiles (MMA-M side < 64) against ``wgmma`` tiles.
 This is a property of the device model and the Triton version, checked, not proven: the
@@ -75,8 +82,9 @@ Both take ``SWAP_AB``: the MMA computes ``W_tile @ normed_tile^T`` (weights on t
 side, tokens on its N side, ``[BLOCK_N, BLOCK_M]``), transposed before the epilogue: at small M
 the weight stream then spreads over ``cdiv(N, BLOCK_N)`` programs with MMA-N = BLOCK_M >= 16.
 
-The K loop is :func:`k_loop_ptr` / :func:`k_loop_tma` around :func:`mma_chunk`; TAIL_FUSION's
-kernel B (``tail_fusion_b.py``) calls the same helpers, so its arithmetic is this code.
+The K loop is :func:`k_loop_ptr` / :func:`k_loop_tma` (the tree) around :func:`chunk_ptr` /
+:func:`chunk_tma` (one chunk) around :func:`mma_chunk`; TAIL_FUSION's kernel B
+(``tail_fusion_b.py``) calls the same helpers, so its arithmetic is this code.
 
 Launch contract (for the launcher in ``k3tail/ops``; :func:`launch_gemm` is the reference one
 the tests and the bench use)
@@ -96,8 +104,9 @@ Validation: :func:`check_tactics`.  Candidates (the tuning space): :data:`CANDID
 Defaults per M bucket: :data:`DEFAULTS` (M <= 16 decode, M <= 256, larger) until a tuned table
 replaces them.  Any config may serve any M; configs may differ between buckets only if they
 were checked bit-identical together on the device (bench/bench_gemm.py part (b)).
-Must never vary: BLOCK_K (64, not a key), the ascending sequential K loop, the absence of
-split-K, the epilogue's order, tensor-core ``tl.dot`` with fp32 accumulation at every M.
+Must never vary: BLOCK_K (64, not a key), the tree (``TREE_S = tree_chunks(K)``, passed by
+:func:`gemm_compile_time`, never a key), the ascending K loop inside a chunk, the chunk order of
+the partials' sum, the epilogue's order, tensor-core ``tl.dot`` with fp32 accumulation at every M.
 """
 
 from __future__ import annotations
@@ -108,6 +117,18 @@ import triton.language as tl
 from .lamport import INTERPRET, canonicalize, round_to
 
 BLOCK_K = tl.constexpr(64)  # never a tactic: the K chunking is part of the numerics ("Batch invariance")
+TREE_MAX = 8  # the most chunks the reduction tree cuts K into
+
+
+def tree_chunks(K: int) -> int:
+    """The reduction tree's shape for a K: the number S of chunks (each ``K_TILES / S`` BLOCK_K tiles)
+    -- the largest of 8, 4, 2, 1 that divides ``K_TILES = ceil(K / 64)``.  A function of K alone:
+    never of M, the tier, the tile or a tactic (no tactic key reaches it), so every kernel of every
+    tier that contracts this K forms the same tree.  K3's latent 3584 = 56 tiles: 8 chunks of 448."""
+    if not isinstance(K, int) or K < 1:
+        raise ValueError(f"K must be a positive int, got {K!r}")
+    tiles = -(-K // BLOCK_K.value)
+    return next(s for s in (TREE_MAX, 4, 2, 1) if tiles % s == 0)
 
 TACTIC_KEYS = ("variant", "block_m", "block_n", "swap_ab", "group_m", "warps", "stages",
                "persistent", "flatten", "warp_spec", "epi_split")
@@ -262,55 +283,87 @@ def _ptr_chunk(a_ptrs, w_ptrs, acc, kt, rk, K: tl.constexpr, SWAP_AB: tl.constex
 
 
 @triton.jit
-def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
-               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
-               K_UNROLL: tl.constexpr):
-    """The K loop with pointer loads: rows ``rm_ld`` of A (int64, already clamped into range)
-    and rows ``rn_ld`` of W (int64, clamped), all of K in ascending BLOCK_K chunks.  Returns
-    the fp32 accumulator in MMA orientation (``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]``
-    with SWAP_AB).  Only the K tail is masked (zeros: they add nothing to any product sum).
-    ``K_UNROLL`` chunks per loop iteration (``tl.static_range``), the rest in a second loop: the
-    same chunks, loads and dots in the same order, only fewer loop trips (less per-trip
-    overhead where one program streams a long K alone: kernel B at decode)."""
+def chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, kt0,
+              K: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
+    """One chunk of the reduction tree with pointer loads: the ``CH`` BLOCK_K tiles of K from tile
+    ``kt0`` on, in ascending order, into an fp32 accumulator that starts at zero.  Rows ``rm_ld`` of
+    A and ``rn_ld`` of W (int64, already clamped into range).  Returns the chunk's partial sum in MMA
+    orientation (``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]`` with SWAP_AB).  Only the K tail is
+    masked (zeros: they add nothing to any product sum).  ``K_UNROLL`` tiles per loop iteration
+    (``tl.static_range``), the rest in a second loop: the same tiles, loads and dots in the same
+    order, only fewer loop trips."""
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm_ld[:, None] * stride_am + rk[None, :] * stride_ak
-    w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + rk[None, :] * stride_wk
+    kcol = (rk + kt0 * BLOCK_K).to(tl.int64)  # (tensor first: constexpr + tensor is a constexpr in the interpreter)
+    a_ptrs = a_ptr + rm_ld[:, None] * stride_am + kcol[None, :] * stride_ak
+    w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + kcol[None, :] * stride_wk
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    K_MAIN: tl.constexpr = K_TILES // K_UNROLL
-    for kb in range(K_MAIN):  # constexpr trip count: sequential, ascending (never split)
+    K_MAIN: tl.constexpr = CH // K_UNROLL
+    for kb in range(K_MAIN):  # constexpr trip count: sequential, ascending
         for u in tl.static_range(K_UNROLL):
-            acc = _ptr_chunk(a_ptrs, w_ptrs, acc, kb * K_UNROLL + u, rk, K, SWAP_AB)
+            acc = _ptr_chunk(a_ptrs, w_ptrs, acc, kt0 + kb * K_UNROLL + u, rk, K, SWAP_AB)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
-    for kt in range(K_MAIN * K_UNROLL, K_TILES):  # the chunks K_UNROLL does not divide
-        acc = _ptr_chunk(a_ptrs, w_ptrs, acc, kt, rk, K, SWAP_AB)
+    for kt in range(K_MAIN * K_UNROLL, CH):  # the tiles K_UNROLL does not divide
+        acc = _ptr_chunk(a_ptrs, w_ptrs, acc, kt0 + kt, rk, K, SWAP_AB)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     return acc
 
 
 @triton.jit
-def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
-    """:func:`k_loop_ptr` with TMA loads: boxes ``[BLOCK_M, BLOCK_K]`` of A at row ``off_m`` and
+def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
+               K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
+    """The whole reduction tree in one program, pointer loads: ``TREE_S`` chunks of
+    ``K_TILES / TREE_S`` tiles each (:func:`chunk_ptr`, each from zero), their partial sums added in
+    chunk order, ``((p0 + p1) + p2) + ...`` in fp32.  ``TREE_S = 1`` is one chunk: the single
+    ascending chain.  Returns the fp32 sum in MMA orientation."""
+    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    CH: tl.constexpr = K_TILES // TREE_S
+    tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (tree_chunks)")
+    acc = chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, 0,
+                    K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+    for s in range(1, TREE_S):  # the partials in chunk order (constexpr trip count)
+        acc = acc + chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, s * CH,
+                              K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+    return acc
+
+
+@triton.jit
+def chunk_tma(a_desc, w_desc, off_m, off_n, kt0, CH: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
+    """:func:`chunk_ptr` with TMA loads: boxes ``[BLOCK_M, BLOCK_K]`` of A at row ``off_m`` and
     ``[BLOCK_N, BLOCK_K]`` of W at row ``off_n`` (rows and K beyond the tensors read zeros).
-    Same chunks, same order, same :func:`mma_chunk`, same ``K_UNROLL``."""
+    Same tiles, same order, same :func:`mma_chunk`, same ``K_UNROLL``, from zero."""
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    K_MAIN: tl.constexpr = K_TILES // K_UNROLL
+    K_MAIN: tl.constexpr = CH // K_UNROLL
     for kb in range(K_MAIN):
         for u in tl.static_range(K_UNROLL):
-            kt = kb * K_UNROLL + u
+            kt = kt0 + kb * K_UNROLL + u
             acc = mma_chunk(a_desc.load([off_m, kt * BLOCK_K]), w_desc.load([off_n, kt * BLOCK_K]), acc, SWAP_AB)
-    for kt in range(K_MAIN * K_UNROLL, K_TILES):
+    for kr in range(K_MAIN * K_UNROLL, CH):
+        kt = kt0 + kr
         acc = mma_chunk(a_desc.load([off_m, kt * BLOCK_K]), w_desc.load([off_n, kt * BLOCK_K]), acc, SWAP_AB)
+    return acc
+
+
+@triton.jit
+def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
+    """:func:`k_loop_ptr` with TMA loads (:func:`chunk_tma`): the same tree."""
+    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    CH: tl.constexpr = K_TILES // TREE_S
+    tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (tree_chunks)")
+    acc = chunk_tma(a_desc, w_desc, off_m, off_n, 0, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+    for s in range(1, TREE_S):
+        acc = acc + chunk_tma(a_desc, w_desc, off_m, off_n, s * CH, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
     return acc
 
 
@@ -407,7 +460,7 @@ def gemm_kernel(
     a_ptr, w_ptr, prefix_ptr, shsum_ptr, out_ptr, M, N,
     stride_am, stride_ak, stride_wn, stride_wk, stride_pm, stride_pn, stride_sm, stride_sn,
     stride_om, stride_on,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
 ):
     """Pointer variant: one ``[BLOCK_M, BLOCK_N]`` output tile per program (grid :func:`grid`)."""
@@ -420,7 +473,7 @@ def gemm_kernel(
     rm_ld = tl.where(rm < M, rm, 0).to(tl.int64)
     rn_ld = tl.where(rn < N, rn, 0).to(tl.int64)
     acc = k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
-                     K, BLOCK_M, BLOCK_N, SWAP_AB, 1)
+                     K, TREE_S, BLOCK_M, BLOCK_N, SWAP_AB, 1)
     _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, pm * BLOCK_M, pn * BLOCK_N, M, N,
                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
                 BLOCK_M, BLOCK_N, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
@@ -429,11 +482,11 @@ def gemm_kernel(
 @triton.jit
 def _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
               stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
-              K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-              SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
+              K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
               HAS_SHSUM: tl.constexpr):
     pm, pn = tile_coords(tile, num_m, num_n, GROUP_M)
-    acc = k_loop_tma(a_desc, w_desc, pm * BLOCK_M, pn * BLOCK_N, K, BLOCK_M, BLOCK_N, SWAP_AB, 1)
+    acc = k_loop_tma(a_desc, w_desc, pm * BLOCK_M, pn * BLOCK_N, K, TREE_S, BLOCK_M, BLOCK_N, SWAP_AB, 1)
     _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, pm * BLOCK_M, pn * BLOCK_N, M, N,
                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
                 BLOCK_M, BLOCK_N, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
@@ -443,7 +496,7 @@ def _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m,
 def gemm_tma_kernel(
     a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_progs,
     stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
     HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
 ):
@@ -459,14 +512,14 @@ def gemm_tma_kernel(
         while tile < num_tiles:
             _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
                       stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
-                      K, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+                      K, TREE_S, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
             tile += num_progs
     else:
         for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=FLATTEN,
                              warp_specialize=WARP_SPEC):
             _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
                       stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
-                      K, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+                      K, TREE_S, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
 
 
 # ------------------------------------------------------------------ reference launch
@@ -482,7 +535,7 @@ def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool) -> tu
     (constexprs, ``num_warps``, ``num_stages``).  It depends on the tactic, K and which epilogue
     operands exist, not on the tensors: a launcher computes it once per (tactic, K, epilogue) and
     only :func:`gemm_runtime_args` per call."""
-    kw = dict(K=K, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
+    kw = dict(K=K, TREE_S=tree_chunks(K), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
               SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1), HAS_PREFIX=bool(has_prefix),
               HAS_SHSUM=bool(has_shared), num_warps=t["warps"], num_stages=t["stages"])
     if t["variant"] == "ptr":

@@ -5,13 +5,15 @@ buffers, A, C and the proof that one stage of slots suffices are there; this fil
 B's part of the protocol:
 
 (B) ``tail_b_kernel``: ``acc[M, S-tile] = normed[0:M, :] @ W_up_shard[n-block, :]^T`` with the
-    projection GEMM family's K loop (``gemm.k_loop_ptr`` / ``gemm.k_loop_tma`` around
-    ``gemm.mma_chunk``): the same code as ``k3tail.project`` and every other tier's projection,
-    so the same arithmetic -- fp32 accumulator, BLOCK_K = 64 chunks in ascending order, one
-    tensor-core ``tl.dot`` per chunk, no split-K, no GEMV (``gemm.py`` states the batch
-    invariance this buys and what keeps it; ``K_UNROLL`` only unrolls that loop, chunk order and
-    dots unchanged).  Grid: one program per BLOCK_N columns of the
-    shard (``cdiv(S, BLOCK_N)``); every output element is computed and stored by one program.
+    projection GEMM family's reduction tree (``gemm.chunk_ptr`` / ``gemm.chunk_tma`` around
+    ``gemm.mma_chunk``, ``gemm.k_loop_*`` for the whole tree): the same code as ``k3tail.project``
+    and every other tier's projection, so the same arithmetic -- K cut into
+    ``TREE_S = gemm.tree_chunks(LATENT)`` chunks, each chunk an fp32 chain of one tensor-core
+    ``tl.dot`` per BLOCK_K = 64 tile from zero, the chunk partials added in chunk order
+    (``gemm.py`` states the batch invariance this buys and what keeps it; ``K_UNROLL`` only unrolls
+    a chunk's loop).  Grid ``(cdiv(S, BLOCK_N), B_SPLIT)``: ``B_SPLIT`` programs share one N tile's
+    chunks (the tactic ``b_split``, a power of two dividing TREE_S: more programs in flight at
+    decode, never another tree).  Every output element is stored by one program.
     SWAP_AB puts the weights on the MMA's M side (tokens on its N side: 16 = the tail's
     capacity); USE_TMA reads ``normed`` and the weight shard through host TMA descriptors
     (``normed_desc`` of ``normed[0:M]`` with box [16, 64], ``w_desc`` of the shard with box
@@ -20,6 +22,19 @@ B's part of the protocol:
     reads the poison flag and loads its epilogue operands (``rs32`` tile and prefix shard tile,
     fp32), then streams the weights at once: the flag only gates the stores, the operands are
     not a second round trip after the K loop.
+    ``B_SPLIT = 1``: the program forms the whole tree in registers.  ``B_SPLIT > 1``: program
+    (n, k) stores each of its chunks' fp32 partials whole into its own tile of this rank's local
+    ``part`` scratch (``[n tiles, TREE_S, 16 * BLOCK_N]``, nobody else writes it), then a CTA
+    barrier and one gpu-scope acq_rel ``atomic_add`` on the tile's counter ``cnt[n]`` (local);
+    the program that draws ticket ``B_SPLIT - 1`` is the last: the release of every other
+    program's ticket published its partials, its own acquire makes them visible; it re-arms
+    ``cnt[n] = 0``, loads the TREE_S partials (``.cg``: from L2, never a stale L1 line) and adds
+    them in chunk order -- the same fp32 additions ``k_loop_*`` makes -- and runs the epilogue.
+    The counter is 0 at every launch start: a launch takes exactly ``B_SPLIT`` tickets per tile
+    and its last program re-arms it; the next B on the same set starts after this one completed
+    (stream order; with PDL, B's ``gdc_wait`` waits on A, whose ``gdc_wait`` waited on the C that
+    waited on this B's stores); the recovery zeroes it too.  The decision is one per program
+    (``lamport.cta_any``).  No program waits.
     Epilogue: ``(prefix shard + acc) + rs32`` in fp32 (``gemm.combine``: the family's order,
     so a token's output bits do not depend on the tier), ONE rounding (``round_to``),
     canonicalize, store into columns [rank*S, ...) of EVERY rank's mailbox (unicast stores
@@ -29,8 +44,8 @@ B's part of the protocol:
     through the multicast address with ``multimem.st.b32``, two adjacent 16-bit columns per
     word (ptxas has no 16-bit multimem.st; masked-off pairs are redirected to the pad instead
     of predicating the instruction, which ptxas is reported to mishandle).  B never waits; on a
-    poisoned workspace it stores nothing (nothing into any mailbox).  No atomics, no counters,
-    no partials.
+    poisoned workspace it stores nothing into any mailbox (it still takes its tickets, so the
+    counters stay armed).
 
 What the chain argument of ``tail_fusion.py`` needs from B: B never waits (no peer memory is
 polled); every B program calls ``gdc_wait`` (PDL) before it reads A's local scratch
@@ -42,8 +57,8 @@ rank d's mailbox, which d's C re-arms after reading them; on a poisoned workspac
 import triton
 import triton.language as tl
 
-from .gemm import combine, k_loop_ptr, k_loop_tma
-from .lamport import canonicalize, is_poisoned, round_to, shard_of
+from .gemm import BLOCK_K, chunk_ptr, chunk_tma, combine, k_loop_ptr, k_loop_tma
+from .lamport import canonicalize, cta_any, is_poisoned, round_to, shard_of
 
 
 @triton.jit
@@ -99,16 +114,30 @@ def _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
             tl.store(mb + dst, y, mask=m2)
 
 
+@triton.jit
+def _b_chunk(normed_ptr, w_ptr, normed_desc, w_desc, pid_n, rm_ld, rn_ld, kt0, LATENT: tl.constexpr,
+             CH: tl.constexpr, BLOCK_M_: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+             USE_TMA: tl.constexpr, K_UNROLL: tl.constexpr):
+    """One chunk of the tree (tiles ``kt0 .. kt0 + CH - 1``), from zero: ``gemm.chunk_*``."""
+    if USE_TMA:
+        part = chunk_tma(normed_desc, w_desc, 0, pid_n * BLOCK_N, kt0, CH, BLOCK_M_, BLOCK_N, SWAP_AB, K_UNROLL)
+    else:
+        part = chunk_ptr(normed_ptr, w_ptr, rm_ld, rn_ld, LATENT, 1, LATENT, 1, kt0, LATENT, CH, BLOCK_M_,
+                         BLOCK_N, SWAP_AB, K_UNROLL)
+    return part
+
+
 @triton.jit(do_not_specialize=["rank", "M"])
 def tail_b_kernel(
     normed_ptr, w_ptr, rs32_ptr, prefix_ptr, normed_desc, w_desc,
-    table_ptr, mc_ptr, ctrl_ptr, rank, M,
+    table_ptr, mc_ptr, ctrl_ptr, part_ptr, cnt_ptr, rank, M,
     HIDDEN: tl.constexpr, LATENT: tl.constexpr, SHARD: tl.constexpr, W: tl.constexpr,
     MB_BYTES: tl.constexpr, PAD_BYTES: tl.constexpr,
     BLOCK_M_: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-    K_UNROLL: tl.constexpr, MULTICAST: tl.constexpr, USE_PDL: tl.constexpr,
+    K_UNROLL: tl.constexpr, TREE_S: tl.constexpr, B_SPLIT: tl.constexpr, MULTICAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid_n = tl.program_id(0)
     if USE_PDL:
         # A (the predecessor) is complete and its normed/rs32 scratch visible; also before
         # the first remote (mailbox) write.
@@ -117,21 +146,64 @@ def tail_b_kernel(
     # Read now, used only to gate the stores: the weight stream does not wait for it.
     poisoned = is_poisoned(ctrl_ptr)
     offs_m = tl.arange(0, BLOCK_M_)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M
     nmask = offs_n < SHARD
     m2 = mmask[:, None] & nmask[None, :]
     sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD, W)
-    # the projection family's K loop (gemm.py): same chunks, same order, same MMA as every tier
-    if USE_TMA:
-        acc = k_loop_tma(normed_desc, w_desc, 0, pid * BLOCK_N, LATENT, BLOCK_M_, BLOCK_N, SWAP_AB, K_UNROLL)
+    rm_ld = tl.where(mmask, offs_m, 0).to(tl.int64)   # rows past M / S: row 0, never stored
+    rn_ld = tl.where(nmask, offs_n, 0).to(tl.int64)
+    # the projection family's tree (gemm.py): same chunks, same order, same MMA as every tier
+    if B_SPLIT == 1:
+        if USE_TMA:
+            acc = k_loop_tma(normed_desc, w_desc, 0, pid_n * BLOCK_N, LATENT, TREE_S, BLOCK_M_, BLOCK_N, SWAP_AB,
+                             K_UNROLL)
+        else:
+            acc = k_loop_ptr(normed_ptr, w_ptr, rm_ld, rn_ld, LATENT, 1, LATENT, 1, LATENT, TREE_S, BLOCK_M_,
+                             BLOCK_N, SWAP_AB, K_UNROLL)
+        if SWAP_AB:
+            acc = tl.trans(acc)   # [BLOCK_N, BLOCK_M_] -> [BLOCK_M_, BLOCK_N]
+        if not poisoned:  # a poisoned workspace gets no stores into any mailbox
+            _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
+                        HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)
     else:
-        rm_ld = tl.where(mmask, offs_m, 0).to(tl.int64)   # rows past M / S: row 0, never stored
-        rn_ld = tl.where(nmask, offs_n, 0).to(tl.int64)
-        acc = k_loop_ptr(normed_ptr, w_ptr, rm_ld, rn_ld, LATENT, 1, LATENT, 1, LATENT, BLOCK_M_, BLOCK_N,
-                         SWAP_AB, K_UNROLL)
-    if SWAP_AB:
-        acc = tl.trans(acc)   # [BLOCK_N, BLOCK_M_] -> [BLOCK_M_, BLOCK_N]
-    if not poisoned:  # a poisoned workspace gets no stores into any mailbox
-        _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
-                    HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)
+        # Split over programs: program (pid_n, pid_k) computes chunks pid_k * CPP .. + CPP - 1, each
+        # from zero, and stores each partial whole (fp32, MMA orientation) into its own tile of the
+        # local ``part`` scratch; the program that takes the last ticket of this N tile adds all
+        # TREE_S partials in chunk order -- the sum k_loop_* forms in registers -- and runs the epilogue.
+        K_TILES: tl.constexpr = (LATENT + BLOCK_K - 1) // BLOCK_K
+        CH: tl.constexpr = K_TILES // TREE_S
+        CPP: tl.constexpr = TREE_S // B_SPLIT
+        tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (gemm.tree_chunks)")
+        tl.static_assert(CPP * B_SPLIT == TREE_S, "b_split must divide the tree's chunk count")
+        TILE: tl.constexpr = BLOCK_M_ * BLOCK_N
+        if SWAP_AB:
+            r_io = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M_ + tl.arange(0, BLOCK_M_)[None, :]
+        else:
+            r_io = tl.arange(0, BLOCK_M_)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tiles = part_ptr + pid_n.to(tl.int64) * (TREE_S * TILE)
+        pid_k = tl.program_id(1)
+        for c in tl.static_range(CPP):
+            s = pid_k * CPP + c
+            part = _b_chunk(normed_ptr, w_ptr, normed_desc, w_desc, pid_n, rm_ld, rn_ld, s * CH, LATENT, CH,
+                            BLOCK_M_, BLOCK_N, SWAP_AB, USE_TMA, K_UNROLL)
+            tl.store(tiles + s * TILE + r_io, part)
+        # every thread's partial stores come before the ticket (CTA barrier, then a gpu-scope
+        # acq_rel atomic: the release publishes them; the last program's acquire sees them all)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        # The program with the last ticket (B_SPLIT - 1) re-arms the counter to 0 for the next
+        # launch: every ticket of this launch is taken by then, and the next B on this set starts
+        # only after this one completed (stream order; with PDL its gdc_wait waits on A, which
+        # waited on the C that waited on this B's stores).  One decision per program
+        # (lamport.cta_any), the same in every warp.
+        if cta_any(ticket == B_SPLIT - 1):
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            acc = tl.load(tiles + r_io, cache_modifier=".cg")
+            for s2 in range(1, TREE_S):  # the partials in chunk order, as k_loop_* adds them
+                acc = acc + tl.load(tiles + s2 * TILE + r_io, cache_modifier=".cg")
+            if SWAP_AB:
+                acc = tl.trans(acc)
+            if not poisoned:
+                _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
+                            HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)

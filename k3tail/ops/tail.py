@@ -4,9 +4,11 @@
 (16) tokens in three launches (A: finalize + latent all-reduce + RMSNorm + shared
 reduce-scatter; B: sharded skinny up-projection with the fused epilogue, broadcasting the
 finished shard into every rank's mailbox; C: Lamport gather), no barrier.  B is a tiled
-``tl.dot`` GEMM on the projection family's K loop (``triton_kernels/gemm.py``: BLOCK_K 64, K in
-order, no split-K, so its bits are every tier's), tactics ``b_block_n``, ``b_swap_ab``, ``b_tma``,
-``b_warps``, ``b_stages``.
+``tl.dot`` GEMM on the projection family's reduction tree (``triton_kernels/gemm.py``: BLOCK_K 64,
+``tree_chunks(latent)`` chunks each in K order, their partials added in chunk order, so its bits are
+every tier's), tactics ``b_block_n``, ``b_swap_ab``, ``b_tma``, ``b_warps``, ``b_stages``,
+``b_k_unroll`` and ``b_split`` (programs per N tile sharing the tree's chunks: a power of two that
+divides the chunk count; never another tree).
 Also here: the tactic dict (:func:`default_tactics`), kernel B's launch, and
 :func:`shard_gemm` (kernel B alone at world size 1, for benchmarks and tests).
 
@@ -51,19 +53,20 @@ from k3tail.ops.prefill import shard_bounds
 from k3tail.runtime.workspace import Workspace, create_workspace, local_workspace, resolve_device
 from k3tail.triton_kernels.lamport import CTRL_WORDS
 from k3tail.triton_kernels.gemm import BLOCK_K as GEMM_BLOCK_K
-from k3tail.triton_kernels.gemm import tma_ok
+from k3tail.triton_kernels.gemm import tma_ok, tree_chunks
 from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, TAG_SLICES, tail_a_kernel, tail_c_kernel
 from k3tail.triton_kernels.tail_fusion_b import tail_b_kernel
 
-__all__ = ["LatentTail", "default_tactics", "shard_gemm", "workspace_layout"]
+__all__ = ["LatentTail", "default_tactics", "shard_gemm", "split_scratch", "workspace_layout"]
 
 _A = L.kernel(tail_a_kernel)
 _B = L.kernel(tail_b_kernel)
 _C = L.kernel(tail_c_kernel)
 
 _SQ_STRIDE = TAG_SLICES  # most A slices per token (one tag slot per slice)
-TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "b_k_unroll", "c_block",
-               "c_programs")
+TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "b_k_unroll", "b_split",
+               "c_block", "c_programs")
+B_BLOCK_N_MAX = 256  # kernel B's widest N tile (sizes the split scratch)
 
 
 def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -> dict:
@@ -72,18 +75,24 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     if interpret_mode() or device.type != "cuda":
         # The interpreter runs programs one after another: few, large programs; pointer loads.
         return {"a_slices": 1, "b_block_n": max(16, min(256, p2(-(-hidden // W)))), "b_swap_ab": False,
-                "b_tma": False, "b_warps": 4, "b_stages": 1, "b_k_unroll": 1, "c_block": max(16, min(8192, p2(hidden))),
-                "c_programs": 1}
+                "b_tma": False, "b_warps": 4, "b_stages": 1, "b_k_unroll": 1, "b_split": 1,
+                "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
     # B: the projection family's decode tile (gemm.DEFAULTS[16]: weights on the MMA's M side, 16 shard
     # rows per program, pointer loads, 16 stages; the fastest kernel B of the H200 run,
     # bench/results/gemm_nvidia_h200.json part (d))
-    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 4, "b_stages": 16,
-            "b_k_unroll": 1, "c_block": 1024, "c_programs": 16}
+    # b_split: one program per chunk of the reduction tree (gemm.tree_chunks: 8 at K3), so a decode shard
+    # streams its weights from 8x the programs (issue 29; the tree is the same at any b_split).  A chunk is
+    # only K_TILES / 8 tiles (7 at K3): 8 stages cover it, and the shared memory of 16 or 32 stages
+    # (4 KiB each) would leave one program per SM.  Not yet timed on the device (bench/bench_tail.py).
+    split = tree_chunks(latent)
+    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 4,
+            "b_stages": 16 if split == 1 else 8, "b_k_unroll": 1, "b_split": split, "c_block": 1024,
+            "c_programs": 16}
 
 
-def _check_tactics(t: dict) -> None:
-    for k in ("a_slices", "b_block_n", "b_warps", "b_stages", "b_k_unroll", "c_block", "c_programs"):
+def _check_tactics(t: dict, latent: int) -> None:
+    for k in ("a_slices", "b_block_n", "b_warps", "b_stages", "b_k_unroll", "b_split", "c_block", "c_programs"):
         if not isinstance(t.get(k), int) or isinstance(t.get(k), bool) or t[k] < 1:
             raise ValueError(f"tactics[{k!r}] must be a positive int, got {t.get(k)!r}")
     if t["a_slices"] > _SQ_STRIDE:
@@ -91,6 +100,12 @@ def _check_tactics(t: dict) -> None:
     for k in ("b_block_n", "c_block"):
         if t[k] < 16 or t[k] & (t[k] - 1):
             raise ValueError(f"tactics[{k!r}] must be a power of two >= 16, got {t[k]}")
+    if t["b_block_n"] > B_BLOCK_N_MAX:
+        raise ValueError(f"tactics['b_block_n'] must be <= {B_BLOCK_N_MAX}, got {t['b_block_n']}")
+    tree = tree_chunks(latent)
+    if tree % t["b_split"]:
+        raise ValueError(f"tactics['b_split'] must divide the reduction tree's {tree} chunks of latent {latent} "
+                         f"(gemm.tree_chunks), got {t['b_split']}")
     for k in ("b_swap_ab", "b_tma"):
         if not isinstance(t.get(k), bool):
             raise ValueError(f"tactics[{k!r}] must be a bool, got {t.get(k)!r}")
@@ -105,15 +120,16 @@ def resolve_tactics(tactics: Optional[dict], *, hidden: int, latent: int, W: int
         if unknown:
             raise ValueError(f"tactics has unknown keys {sorted(unknown)} (known: {sorted(t)})")
         t.update(tactics)
-    _check_tactics(t)
+    _check_tactics(t, latent)
     return t
 
 
-def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl, rank: int, *,
+def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl, part, cnt, rank: int, *,
               hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
-    """Kernel B: one program per ``b_block_n`` shard rows.  With ``b_tma`` (and TMA-able operands:
+    """Kernel B: grid ``(cdiv(shard, b_block_n), b_split)``.  With ``b_tma`` (and TMA-able operands:
     unit K stride, 16-byte aligned rows) ``normed[0:M]`` and the weight shard are read through host
-    TMA descriptors, else through pointers: the same bits either way."""
+    TMA descriptors, else through pointers: the same bits either way, and at any ``b_split``.
+    ``part`` / ``cnt``: this rank's split scratch (:func:`split_scratch`), read only at b_split > 1."""
     use_tma = bool(t["b_tma"]) and not interpret_mode() and tma_ok(normed, up_weight)
     nd = wd = None
     if use_tma:
@@ -125,8 +141,21 @@ def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl,
     _B.variant(num_warps=t["b_warps"], num_stages=t["b_stages"], pdl=pdl,
                HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W, MB_BYTES=lay["mb_off"], PAD_BYTES=lay["pad_off"],
                BLOCK_M_=BLOCK_M, BLOCK_N=t["b_block_n"], SWAP_AB=t["b_swap_ab"], USE_TMA=use_tma,
-               K_UNROLL=t["b_k_unroll"], MULTICAST=multicast, USE_PDL=pdl)(
-        (-(-shard // t["b_block_n"]),), normed, up_weight, rs32, prefix, nd, wd, table, mc, ctrl, rank, M)
+               K_UNROLL=t["b_k_unroll"], TREE_S=tree_chunks(latent), B_SPLIT=t["b_split"], MULTICAST=multicast,
+               USE_PDL=pdl)(
+        (-(-shard // t["b_block_n"]), t["b_split"]), normed, up_weight, rs32, prefix, nd, wd, table, mc, ctrl,
+        part, cnt, rank, M)
+
+
+def split_scratch(shard: int, latent: int, device) -> tuple:
+    """Kernel B's split scratch for a shard of ``shard`` rows: ``(part, cnt)`` -- fp32 partial tiles
+    for every tactic (``[n tiles, TREE_S, 16 * b_block_n]``, sized for the narrowest tile's count and
+    the widest tile) and one int32 ticket counter per N tile (zero: armed).  Local to the rank."""
+    tree = tree_chunks(latent)
+    n_cols = -(-shard // 16) * 16 + B_BLOCK_N_MAX  # n tiles * b_block_n <= shard rounded up to the tile
+    part = torch.empty(tree * BLOCK_M * n_cols, dtype=torch.float32, device=device)
+    cnt = torch.zeros(-(-shard // 16), dtype=torch.int32, device=device)
+    return part, cnt
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -163,6 +192,8 @@ class _Set:
     sq: torch.Tensor
     rs32: torch.Tensor
     cnt_a: torch.Tensor
+    part: torch.Tensor
+    cnt_b: torch.Tensor
     mc: torch.Tensor
     dummy_idx: torch.Tensor
 
@@ -171,6 +202,7 @@ class _Set:
         counters that a call cut short by a fault may have left counting."""
         self.ws.rearm()
         self.cnt_a.zero_()
+        self.cnt_b.zero_()
 
 
 @dataclass
@@ -197,7 +229,8 @@ def _new_set(group, comm, W, device, hidden, latent, max_tokens, dtype, timeout_
     shard = -(-hidden // W)  # rs32 holds this rank's shard (at most the widest)
     rows = max(max_tokens, BLOCK_M)
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
-    return _Set(ws=ws, layout=lay, normed=z(rows, latent, dt=dtype), sum32=z(rows, latent),
+    part, cnt_b = split_scratch(shard, latent, dev)
+    return _Set(part=part, cnt_b=cnt_b, ws=ws, layout=lay, normed=z(rows, latent, dt=dtype), sum32=z(rows, latent),
                 sq=z(rows, _SQ_STRIDE, dt=torch.float64), rs32=z(rows, shard), cnt_a=z(rows, dt=torch.int32),
                 mc=torch.tensor([ws.multicast_ptr], dtype=torch.int64, device=dev),
                 dummy_idx=z(1, dt=torch.int32))
@@ -390,7 +423,7 @@ class LatentTail:
             st.normed, st.sum32, st.sq, st.rs32, st.cnt_a, ws.table, ws.fault_blk, ws.ftab, ws.host_flag, clock,
             ws.rank, M, timeout_ns, tag, R, *self._scalars32)
         # ---- B (reads the fault word as its ctrl_ptr: it stores nothing once a fault is posted)
-        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, ws.table, st.mc, ws.fault_blk,
+        _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, ws.table, st.mc, ws.fault_blk, st.part, st.cnt_b,
                   ws.rank, hidden=H, latent=Lt, shard=S, W=W, lay=st.layout,
                   multicast=self._multicast_ok(M), pdl=pdl)
         # ---- C
@@ -437,8 +470,9 @@ def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[t
              "prefix": torch.zeros(M, N, dtype=normed.dtype, device=dev),
              "mc": torch.zeros(1, dtype=torch.int64, device=dev),
              "ctrl": torch.zeros(CTRL_WORDS, dtype=torch.int32, device=dev)}
+        h["part"], h["cnt"] = split_scratch(N, Lt, dev)
         _standalone[k] = h
     lay = {"mb_off": 0, "pad_off": 0}
-    _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["table"], h["mc"], h["ctrl"], 0,
+    _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["table"], h["mc"], h["ctrl"], h["part"], h["cnt"], 0,
               hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False)
     return out

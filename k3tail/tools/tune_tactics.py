@@ -69,14 +69,19 @@ class LatentTailSpec(Spec):
         return [1, 2, 4, 8, 16] if full else [1, 16]
 
     def space(self, full, W, cfg):
-        # kernel B: the GEMM family's decode tile (no split-K, no GEMV: every B tile gives the same bits)
+        # kernel B: the GEMM family's decode tile and how many programs share the reduction tree's chunks
+        # (b_split: a divisor of gemm.tree_chunks(latent)); no GEMV: every B tactic gives the same bits
+        from k3tail.triton_kernels.gemm import tree_chunks
+
+        tree = tree_chunks(cfg.latent)
+        splits = [s for s in (1, 2, 4, 8) if tree % s == 0]
         if full:
             return {"b_block_n": [16, 32, 64], "b_swap_ab": [True, False], "b_tma": [False, True],
-                    "b_warps": [2, 4, 8], "b_stages": [8, 12, 16, 24, 32], "b_k_unroll": [1, 2, 4, 7],
-                    "a_slices": [1, 2, 4, 7, 14, 28],
+                    "b_warps": [2, 4, 8], "b_stages": [4, 6, 8, 12, 16, 24, 32], "b_k_unroll": [1, 2, 4, 7],
+                    "b_split": splits, "a_slices": [1, 2, 4, 7, 14, 28],
                     "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
-        return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [12, 16, 24], "b_k_unroll": [1, 4],
-                "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
+        return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [6, 8, 12, 16], "b_k_unroll": [1, 4],
+                "b_split": splits[-2:], "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         from k3tail.ops.tail import LatentTail
