@@ -204,7 +204,8 @@ def test_tactics_validation():
         G.check_tactics(G.default_tactics(M))
     assert G.default_tactics(1)["block_m"] >= 16
     good = _tac()
-    bad = [dict(good, block_k=128), dict(good, split_k=2), dict(good, variant="gemv"), dict(good, block_m=8),
+    bad = [dict(good, block_k=128), dict(good, split_k=2), dict(good, tree_s=1),
+           dict(good, variant="gemv"), dict(good, block_m=8),
            dict(good, block_n=48), dict(good, warps=3), dict(good, stages=0), dict(good, swap_ab=1),
            dict(good, persistent=True), dict(good, epi_split=4, block_n=32),
            dict(good, variant="tma", warp_spec=True, flatten=True), dict(good, variant="tma", warp_spec=True, warps=8)]
@@ -239,6 +240,25 @@ def compile_sm90(kernel, args, kw):
     options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, opts)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
+def spill_stores(ptx):
+    """Spill-store bytes of the sm_90 cubin: ``ptxas -v`` of the wheel's own ptxas (the first of its
+    binaries that takes this PTX version); None if none does."""
+    import re, subprocess, tempfile
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(ptx)
+        for exe in ("ptxas", "ptxas-blackwell"):
+            path = os.path.join(bindir, exe)
+            if not os.path.exists(path):
+                continue
+            r = subprocess.run([path, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                               capture_output=True, text=True)
+            m = re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr)
+            if r.returncode == 0 and m:
+                return sum(int(x) for x in m)
+    return None
+
 M, N, K = 64, 896, 3584   # the K3 shard of W = 8; every tensor as the launcher passes it
 a = torch.empty(M, K, dtype=torch.bfloat16)
 w = torch.empty(N, K, dtype=torch.bfloat16)
@@ -256,7 +276,7 @@ for name in sys.argv[1:]:
     res[name] = dict(wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx,
                      tma="cp.async.bulk.tensor" in ptx, cp_async="cp.async.cg" in ptx or "cp.async.ca" in ptx,
                      setmaxnreg="setmaxnreg" in ptx, shared=k.metadata.shared, warps=k.metadata.num_warps,
-                     seconds=round(time.time() - t0, 2))
+                     spills=spill_stores(ptx), seconds=round(time.time() - t0, 2))
 print("RESULT" + json.dumps(res))
 '''
 
@@ -279,7 +299,8 @@ def test_candidates_compile_for_sm90(half):
     """Every candidate compiles for sm_90 (warp_spec ones only where Triton supports them on SM90:
     3.6); the PTX holds tensor-core MMAs (never an FMA-only GEMM), TMA bulk copies for the tma
     variant, cp.async pipelining for the pointer variant, and wgmma wherever the MMA's M side is
-    at least 64 rows per warpgroup."""
+    at least 64 rows per warpgroup; ``ptxas -v`` finds no spill stores (the tree's two accumulators fit
+    every candidate's registers)."""
     names = _sm90_names(half)
     res = _compile(names)
     for name in names:
@@ -295,6 +316,8 @@ def test_candidates_compile_for_sm90(half):
             assert r["wgmma"], (name, r)
         if t["warp_spec"]:
             assert r["setmaxnreg"] and r["warps"] == 12, (name, r)  # producer + 2 consumer warpgroups
+        # the reduction tree keeps two fp32 accumulators per tile: no candidate may spill them
+        assert r["spills"] == 0, (name, r)
     if half == 0:
         # the large-M default: TMA + wgmma; the decode default: an MMA, loads as its variant says
         big, small = G.DEFAULTS[None], G.DEFAULTS[16]
