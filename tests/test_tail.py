@@ -248,8 +248,10 @@ def test_tail_w1_and_bad_inputs():
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_block_n": 24})
     with pytest.raises(ValueError, match="b_swap_ab"):
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_swap_ab": 1})
-    with pytest.raises(ValueError, match="unknown keys"):  # split-K and BLOCK_K are not tactics any more
+    with pytest.raises(ValueError, match="unknown keys"):  # the tree and BLOCK_K are not tactics
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_split_k": 2})
+    with pytest.raises(ValueError, match="unknown keys"):
+        LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_tree_s": 1})
     assert tail(**dict(good, prefix_hidden=prefix[:0], shared=shared[0][:0],
                        expert_weights=routed[0]["expert_weights"][:0],
                        expanded_idx=routed[0]["expanded_idx"][:0])).shape == (0, H)

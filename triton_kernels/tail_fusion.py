@@ -51,10 +51,12 @@ Kernels (all on the rank's stream, in the order A, B, C)
     Interpreter-safe: program p only waits for data that the peers' program p publishes
     (same item order on every rank) before it waits; counters never wait.
 (B) ``tail_b_kernel`` (``tail_fusion_b.py``, which states B's part in full): the skinny
-    GEMM ``normed @ W_up_shard^T`` with the projection family's K loop (``gemm.py``: BLOCK_K
-    64 chunks in ascending order, one ``tl.dot`` each, no split-K, no GEMV), fp32
-    accumulation, epilogue ``(prefix shard + acc) + rs32`` in fp32 with ONE rounding, stored
-    into columns [rank*S, ...) of EVERY rank's
+    GEMM ``normed @ W_up_shard^T`` with the projection family's reduction tree (``gemm.py``:
+    ``tree_chunks(L)`` chunks of BLOCK_K 64 tiles, each chunk in ascending order from zero, one
+    ``tl.dot`` per tile, the chunk partials added in chunk order; ``b_split`` programs may share
+    one N tile's chunks, the last by ticket adds them; no GEMV), fp32 accumulation, epilogue
+    ``(prefix shard + acc) + rs32`` in fp32 with ONE rounding, stored into columns [rank*S, ...)
+    of EVERY rank's
     mailbox (unicast through the peer table; a multicast variant exists but never runs on
     these machines).  B never waits; ``gdc_wait`` comes before it reads A's scratch and
     before its first mailbox store; on a poisoned workspace it stores nothing.

@@ -1,7 +1,8 @@
 """Projection of the MoE tail: ``out = (prefix_hidden + normed @ up_weight^T) + shared_sum``, one rounding.
 
 One GEMM family serves every M and every tier (``triton_kernels/gemm.py``, DESIGN §10): fp32
-accumulation over BLOCK_K = 64 chunks of K in ascending order, no split-K, tensor cores at every M,
+accumulation in one reduction tree (``gemm.tree_chunks(K)`` chunks of 64-wide tiles, each chunk in
+ascending K order from zero, the partials added in chunk order), tensor cores at every M,
 the epilogue ``(prefix + acc) + shared`` in fp32 and one round-to-nearest-even.  A row's output
 therefore has the same bits at any M and any position in the batch, whichever tile the launcher
 picks (the tile configs it may mix are checked bit-identical on the GPU: bench/bench_gemm.py).
