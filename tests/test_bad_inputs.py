@@ -118,8 +118,10 @@ MODULE_ARGS = (Arg("prefix_hidden", ACT, (1,), cap_rows=True), Arg("shared", ACT
                Arg("norm_weight", GAMMA, (0,)), Arg("up_weight", ACT, (0, 1)))
 OPS = {op.name: op for op in (
     Op("K3MoETail", lambda: _module("bad.inputs"), _tail_inputs, "triple", MODULE_ARGS + TRIPLE),
+    # the routed form passes K3MoETail's lean check on CPU (the triple form never does there): every
+    # argument again, so a check that only the full path makes cannot hide
     Op("K3MoETail.routed", lambda: _module("bad.inputs.routed"), _tail_inputs, "routed",
-       (Arg("routed", ACT, (0, 1)),)),
+       MODULE_ARGS + (Arg("routed", ACT, (0, 1)),)),
     Op("LatentTail", _tail, _tail_inputs, "triple", MODULE_ARGS + TRIPLE),
     Op("LatentTail.routed", _tail, _tail_inputs, "routed", (Arg("routed", ACT, (0, 1)),)),
     Op("FinalizeAllReduceRMSNorm", _finalize, _finalize_inputs, "triple",
