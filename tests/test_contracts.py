@@ -512,6 +512,9 @@ def _sc_rank_order(rank, W):
     lane = k3tail.LaneAllReduce(latent=L, hidden=H, max_tokens=4)
     x = _order_inputs(4, rank, 104)
     out["lane_op"] = _attempt(lambda: lane(norm_weight=x["norm_weight"], shared=x["shared"], routed=x["routed"]))
+    # routed_scale 2 (exact): the routed partial travels in the fp32 slots (SLOT32), not the 16-bit ones
+    lane32 = k3tail.LaneAllReduce(latent=L, hidden=H, max_tokens=4, routed_scale=2.0)
+    out["lane_op32"] = _attempt(lambda: lane32(norm_weight=x["norm_weight"], shared=x["shared"], routed=x["routed"]))
     ar = k3tail.OneShotAllReduce(max_tokens=4, width=H)
     out["oneshot"] = _attempt(lambda: ar(x["shared"]))
     return out
@@ -861,6 +864,17 @@ def test_rank_order_summation_cpu():
             fails.append(str(e))
     else:
         fails.append(f"LaneAllReduce: {[_desc(g) for g in got]}")
+    got = [rows[r]["lane_op32"] for r in range(W)]  # the fp32 slots' rank order (routed_scale 2)
+    if all(g.get("ok") for g in got):
+        if not all(_same_bits(g["out"][0], got[0]["out"][0]) for g in got):
+            fails.append("LaneAllReduce (fp32 slots): the ranks' outputs differ")
+        try:
+            T.check_ulp(got[0]["out"][0], R.rmsnorm(sum(2.0 * p for p in ref["partials"]), ref["norm_weight"], 1e-5),
+                        what="LaneAllReduce normed (fp32 slots)")
+        except AssertionError as e:
+            fails.append(str(e))
+    else:
+        fails.append(f"LaneAllReduce (fp32 slots): {[_desc(g) for g in got]}")
     got = [rows[r]["oneshot"] for r in range(W)]
     if all(g.get("ok") for g in got):
         if not torch.equal(got[0]["out"], ref["shared"][0].to(BF)):
