@@ -25,7 +25,7 @@ T0=$(date +%s)
 run_tests() {  # run_tests NAME FILES...: the GPU tests of FILES, log to $OUT/gpu_NAME.log
   local name=$1; shift
   local t=$(date +%s)
-  timeout ${TEST_TIMEOUT:-500} python3 -m pytest "$@" -m gpu -q -rfE -p no:cacheprovider -o timeout=200 \
+  timeout ${TEST_TIMEOUT:-500} python3 -m pytest "$@" -m gpu -q -rfE -p no:cacheprovider -o timeout=${PYTEST_TIMEOUT:-200} \
     --durations=10 2>&1 | tee "$OUT/gpu_$name.log" | grep -E "passed|failed|FAILED|ERROR|Error|Timeout|s call"
   echo "phase $name took $(( $(date +%s) - t )) s"
 }

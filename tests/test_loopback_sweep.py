@@ -16,6 +16,9 @@ All findings of one W are collected and reported together.  GPU only.
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
 import time
 
 import pytest
@@ -112,6 +115,9 @@ def test_gpu_loopback_sweep_every_tier(W):
             if mods[0].why_not(tier, M) is not None:
                 continue
             plan = mods[0].plan_for(M, False, tier)
+            dump_s = float(os.environ.get("K3TAIL_STACK_DUMP_S", "0"))
+            if dump_s > 0:  # diagnosis: where every host thread is if this run is still going after dump_s
+                faulthandler.dump_traceback_later(dump_s, exit=False, file=sys.stderr)
             try:
                 res = world.run(lambda r, tier=tier: mods[r](tier=tier, **ins[r]))
                 torch.cuda.synchronize()
@@ -122,6 +128,9 @@ def test_gpu_loopback_sweep_every_tier(W):
                 problems.append(f"W={W} M={M} {tier.name} ({plan.path}): {type(e).__name__}: {e} (host issue time "
                                 f"per rank in the last run: [{issue}] s)")
                 break  # a fault poisons the group: the rest of this W would only repeat it
+            finally:
+                if dump_s > 0:
+                    faulthandler.cancel_dump_traceback_later()
             ys = [y.cpu() for y in res]
             for r in range(1, W):
                 ne = ys[r].view(torch.int16) != ys[0].view(torch.int16)
