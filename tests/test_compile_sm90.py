@@ -2,7 +2,12 @@
 machines without one: the launches of real calls are recorded under the interpreter (W = 1 in
 process, W = 2 on CPU ranks), then a fresh process with ``TRITON_INTERPRET=0`` compiles each
 recorded variant with Triton's own compiler for an H100/H200 target (PDL and the global timer
-on, as on the GPU).  The interpreter cannot reveal a kernel that does not compile: this does."""
+on, as on the GPU).  The interpreter cannot reveal a kernel that does not compile: this does.
+
+In the same PTX, every spin loop (a volatile poll with a global-timer deadline) must decide by a
+CTA-wide vote: the loop holds a ``bar.red.or`` and no conditional branch inside it depends on a polled
+value, an atomic's result or the clock except through a vote (a taint analysis over the PTX registers).
+Un-voting any one branch of a wait (the deadline alone, say) fails the test."""
 
 import json
 import os
@@ -149,17 +154,108 @@ for rec in json.load(sys.stdin):
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert ".target sm_90" in k.asm["ptx"], rec["name"]
         print("compiled", rec["name"], "pdl" if pdl else "no-pdl", "multicast" if mc else "", flush=True)
-        for loop, voted in spin_loops(k.asm["ptx"]):
-            print("spin", rec["name"], loop, "voted" if voted else "UNVOTED", flush=True)
+        for loop, voted, bad in spin_loops(k.asm["ptx"]):
+            print("spin", rec["name"], loop, "voted" if voted else "UNVOTED", *bad, flush=True)
 '''
 
 # Issue 28: a spin loop (a loop that polls with volatile loads and reads the global timer for its
 # deadline) must decide its exit by a CTA-wide vote (lamport.cta_any: bar.red.or), else the warps of a
 # program can leave it in different iterations (triton_kernels/lamport.py, "One decision per program").
+# Not only must the loop hold a vote: no branch in it may depend on a polled value or the clock except
+# through a vote.  A register is *tainted* when its value may differ between the warps of a program: a
+# volatile, acquire or relaxed load, an atomic's result, %globaltimer, or anything computed from a tainted
+# register; a bar.red result is the same in every thread (the taint ends there).  Every conditional branch
+# in a spin loop must have an untainted predicate.
 _SPIN_LOOPS = r'''
 import re
+_NO_DST = ("st.", "red.", "bar.sync", "bar.arrive", "barrier", "bra", "ret", "exit", "fence", "membar",
+           "prefetch", "cp.", "griddepcontrol", "trap")
+
+
+def _statements(ptx):
+    """``(block label, guard, opcode, dsts, srcs)`` of every PTX statement; the local registers of an
+    inline-asm ``{ .reg ...; }`` scope are renamed per scope so that they cannot alias."""
+    cur, scopes, n_scope = None, [], 0
+
+    def regs(text):
+        out = re.findall(r"%[A-Za-z_][\w.]*", text)
+        for sid, local in scopes:
+            out += [f"{sid}:{t}" for t in re.findall(r"(?<![%\w])[A-Za-z_]\w*", text) if t in local]
+        return out
+
+    def parse(piece):
+        if piece.startswith(".reg"):
+            if scopes:
+                names = piece.split(None, 2)[2] if len(piece.split(None, 2)) > 2 else ""
+                scopes[-1][1].update(x.strip() for x in re.sub(r"<\d+>", "", names).split(",")
+                                     if x.strip() and not x.strip().startswith("%"))
+            return None
+        if piece.startswith(".") or piece.startswith("$"):
+            return None
+        g = re.match(r"^@!?(\S+)\s+(.*)$", piece)
+        guard = None
+        if g:
+            guard, piece = regs(g.group(1)), g.group(2)
+        parts = piece.split(None, 1)
+        op, rest = parts[0], (parts[1] if len(parts) > 1 else "")
+        ops, depth, tok = [], 0, ""
+        for ch in rest:  # top-level commas only
+            depth += (ch in "[{") - (ch in "]}")
+            if ch == "," and depth == 0:
+                ops.append(tok)
+                tok = ""
+            else:
+                tok += ch
+        ops.append(tok)
+        has_dst = not op.startswith(_NO_DST) and not ops[0].strip().startswith("[")
+        dsts = regs(ops[0]) if has_dst else []
+        srcs = [r for o in (ops[1:] if has_dst else ops) for r in regs(o)] + (guard or [])
+        return cur, guard, op, dsts, srcs
+
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0]
+        m = re.match(r"^\s*(\$L__BB\d+_\d+):(.*)$", line)
+        if m:
+            cur, line = m.group(1), m.group(2)
+        stmt, depth = "", 0
+        for ch in line:
+            if depth == 0 and not stmt.strip() and ch in "{}":  # a scope, not a vector operand
+                if ch == "{":
+                    n_scope += 1
+                    scopes.append((n_scope, set()))
+                elif scopes:
+                    scopes.pop()
+                continue
+            depth += (ch in "[{") - (ch in "]}")
+            if ch == ";" and depth == 0:
+                st = parse(stmt.strip())
+                if st:
+                    yield st
+                stmt = ""
+                continue
+            stmt += ch
+
+
+def _tainted(stmts):
+    taint = set()
+    changed = True
+    while changed:
+        changed = False
+        for _, _, op, dsts, srcs in stmts:
+            if op.startswith("bar.red"):
+                continue
+            src = (op.startswith("ld.") and any(k in op for k in (".volatile", ".acquire", ".relaxed"))) \
+                or op.startswith("atom") or "%globaltimer" in srcs or any(s in taint for s in srcs)
+            for d in dsts:
+                if src and d not in taint:
+                    taint.add(d)
+                    changed = True
+    return taint
+
+
 def spin_loops(ptx):
-    """``[(header label, voted)]`` of the PTX's spin loops, from LLVM's loop comments on the blocks."""
+    """``[(header label, voted)]`` of the PTX's spin loops (from LLVM's loop comments on the blocks):
+    voted when the loop holds a bar.red.or and none of its conditional branches is tainted."""
     blocks, cur = {}, None
     for line in ptx.splitlines():
         m = re.match(r"^(\$L__BB\d+_\d+):", line)
@@ -174,11 +270,16 @@ def spin_loops(ptx):
             b["loops"].add(cur)
         for h in re.findall(r"(?:Header=|Parent Loop )(BB\d+_\d+)", line):
             b["loops"].add("$L__" + h)
+    stmts = list(_statements(ptx))
+    taint = _tainted(stmts)
     out = []
     for h in sorted({h for b in blocks.values() for h in b["loops"]}):
-        body = "\n".join("\n".join(b["text"]) for b in blocks.values() if h in b["loops"])
+        inside = {lbl for lbl, b in blocks.items() if h in b["loops"]}
+        body = "\n".join("\n".join(blocks[lbl]["text"]) for lbl in inside)
         if "ld.volatile" in body and "%globaltimer" in body:
-            out.append((h, "bar.red.or.pred" in body))
+            bad = [f"{lbl}:{g[0]}" for lbl, g, op, _, _ in stmts
+                   if lbl in inside and op.startswith("bra") and g and any(r in taint for r in g)]
+            out.append((h, "bar.red.or.pred" in body and not bad, bad))
     return out
 '''
 _COMPILER = _COMPILER.replace("done = set()", _SPIN_LOOPS + "\ndone = set()", 1)
