@@ -11,7 +11,7 @@ T0=$(date +%s)
 p() {  # p NAME LIMIT_S PYTEST_ARGS...: log to $OUT/NAME.log, show the lines that matter
   local name=$1 lim=$2; shift 2
   echo "=== $name ($(( $(date +%s) - T0 )) s in)"
-  timeout "$lim" python3 -m pytest "$@" -m gpu -q -s -rfE -p no:cacheprovider -o timeout=$lim 2>&1 > "$OUT/$name.log"
+  timeout "$lim" python3 -m pytest "$@" -m gpu -q -s -rfE -p no:cacheprovider -o timeout=$lim > "$OUT/$name.log" 2>&1
   echo "rc $?"
   grep -E "^W=|M=.*(differ|FAIL)|rows checked|host issue|passed|failed|Error|Thread 0x|File .*k3tail|File .*torch|File .*triton" \
     "$OUT/$name.log" | grep -v "tactic table" | head -${HEADN:-60}
