@@ -63,9 +63,12 @@ def _weights(W, rank, dev):
     return gamma, up[rank * rows:(rank + 1) * rows].contiguous()
 
 
-def sweep(mods, run, W, dev, *, graphs=True, compiled=False):
+def sweep(mods, run, W, dev, *, graphs=True, compiled=False, capture_stream=None):
     """Every (form, tier, M, position, mode) of one world; returns the mismatches and the count.
-    ``run(fn)`` calls ``fn(rank)`` for every rank of the world this process drives."""
+    ``run(fn)`` calls ``fn(rank)`` for every rank of the world this process drives; graphs are captured
+    on ``capture_stream`` (one stream for the whole sweep; loopback: ``world.capture_stream()``)."""
+    if graphs and capture_stream is None:
+        capture_stream = torch.cuda.Stream(device=dev)
     ranks = list(range(len(mods)))
     toks = {r: _token(W, mods[r].rank, dev) for r in ranks}
     wts = {r: _weights(W, mods[r].rank, dev) for r in ranks}
@@ -98,8 +101,8 @@ def sweep(mods, run, W, dev, *, graphs=True, compiled=False):
                             bad.append(f"{form} {tier.name} M={M} pos={pos} rank={r}: {diff} of "
                                        f"{row.numel()} outputs differ from {ref_what}")
                     if graphs and M in GRAPH_MS:
-                        g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-                        with torch.cuda.graph(g, stream=stream):
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, stream=capture_stream):
                             gouts = run(call)
                         g.replay()
                         torch.cuda.synchronize()
@@ -129,7 +132,7 @@ def _loopback(W):
     world = k3tail.LoopbackWorld(W)
     cfg = k3tail.TailConfig(max_tokens=max(MS), **K3)
     mods = world.build(lambda r: k3tail.K3MoETail(cfg, world.group(r), prefix=f"inv.lb{W}"))
-    return mods, lambda fn: world.run(fn)
+    return mods, lambda fn: world.run(fn), world.capture_stream()
 
 
 def test_invariance_w1():
@@ -143,8 +146,8 @@ def test_invariance_w1():
 
 @pytest.mark.parametrize("W", [2, 4, 8])
 def test_invariance_loopback(W):
-    mods, run = _loopback(W)
-    bad, n = sweep(mods, run, W, torch.device("cuda"))
+    mods, run, cap = _loopback(W)
+    bad, n = sweep(mods, run, W, torch.device("cuda"), capture_stream=cap)
     print(f"loopback W={W}: {n} rows checked, {len(bad)} differ")
     assert not bad, "\n".join(bad[:30])
 

@@ -125,6 +125,31 @@ def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
         rank_streams(dev, 3)
 
 
+def test_capture_stream_is_never_a_rank_stream(monkeypatch):
+    """``LoopbackWorld.capture_stream``: one stream, the same every call, that is neither a rank's stream
+    nor the current one, even when torch's pool hands those out again; none left: a clear error."""
+    from k3tail.errors import K3TailError
+    from k3tail.runtime.loopback import LoopbackWorld
+
+    dev = torch.device("cuda", 0)
+
+    class S:
+        def __init__(self, device=None, handle=None):
+            self.device = dev
+            self.cuda_stream = next(pool) if handle is None else handle
+
+    monkeypatch.setattr(torch.cuda, "Stream", S)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: S(handle=7))
+    world = object.__new__(LoopbackWorld)  # no GPU here: the fields capture_stream reads
+    world.device, world.streams, world._capture = dev, [S(handle=h) for h in (3, 4, 5)], None
+    pool = iter([4, 7, 3, 5, 6, 8])
+    first = world.capture_stream()
+    assert first.cuda_stream == 6 and world.capture_stream() is first
+    world._capture, pool = None, iter([3, 4, 5, 7] * 20)
+    with pytest.raises(K3TailError, match="no stream left"):
+        world.capture_stream()
+
+
 # ------------------------------------------------------------------ the direct launcher
 def _native_spec():
     try:

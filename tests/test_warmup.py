@@ -69,8 +69,7 @@ def test_capture_without_eager_tail_loopback_w4():
         ins = [_inputs(M, W, r, 10 + M, dev) for r in range(W)]
         assert mods[0].tier_for(M, True) is Tier.TAIL_FUSION
         g = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        with _CompileCounter() as cc, torch.cuda.graph(g, stream=stream):
+        with _CompileCounter() as cc, torch.cuda.graph(g, stream=world.capture_stream()):
             outs = world.run(lambda r: mods[r](**ins[r]))
         assert cc.n == 0, f"M={M}: {cc.n} kernel variants compiled inside the capture"
         for _ in range(3):

@@ -75,6 +75,25 @@ class LoopbackWorld:
         # host seconds each rank's ``fn`` took to issue in the last run(): a rank that blocks the one
         # issuing thread while a peer's kernel spins (a host read, a module load) shows here
         self.last_issue_s: List[float] = []
+        self._capture = None
+
+    def capture_stream(self) -> "torch.cuda.Stream":
+        """A stream to capture this world's calls on (``torch.cuda.graph(g, stream=world.capture_stream())``):
+        the same one every time, never one of the ranks' streams nor the current stream.  A fresh
+        ``torch.cuda.Stream()`` per capture can be a rank's stream (torch's pool hands out 32 streams per
+        priority in turn), and :meth:`run` refuses to issue from it (seen on the H100: the batch-invariance
+        test's 33rd capture)."""
+        if self._capture is None:
+            avoid = {s.cuda_stream for s in self.streams} | {torch.cuda.current_stream(self.device).cuda_stream}
+            for _ in range(64):
+                s = torch.cuda.Stream(device=self.device)
+                if s.cuda_stream not in avoid:
+                    self._capture = s
+                    break
+            else:
+                raise K3TailError("LoopbackWorld.capture_stream: torch's stream pool has no stream left that "
+                                  "is not a virtual rank's")
+        return self._capture
 
     def group(self, rank: int) -> "LoopbackGroup":
         """Rank ``rank``'s group (the same object every time: it counts the rank's workspaces)."""
@@ -124,7 +143,7 @@ class LoopbackWorld:
                 "its pooled streams in turn, 32 per priority, so a stream made later, such as the default "
                 "capture stream of torch.cuda.graph, can be the same CUDA stream); a rank's spinning kernel "
                 "would then hold back the ranks launched after it.  Capture on a stream of your own: "
-                "torch.cuda.graph(g, stream=s) with s not in world.streams")
+                "torch.cuda.graph(g, stream=world.capture_stream())")
         if warm and not torch.cuda.is_current_stream_capturing():
             with warm_only():
                 self._fan_out(cur, fn)
