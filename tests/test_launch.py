@@ -99,6 +99,21 @@ def test_loopback_run_forks_both_passes(monkeypatch):
         world.run(fn)
 
 
+def _fake_stream_pool(monkeypatch, dev):
+    """torch.cuda.Stream / current_stream faked (no GPU here): a new stream's handle is the next of
+    ``pool[0]`` (set it to an iterator of handles), the current stream's is 7; returns (pool, S)."""
+    pool = [iter(())]
+
+    class S:
+        def __init__(self, device=None, handle=None):
+            self.device = dev
+            self.cuda_stream = next(pool[0]) if handle is None else handle
+
+    monkeypatch.setattr(torch.cuda, "Stream", S)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: S(handle=7))
+    return pool, S
+
+
 def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
     """torch's stream pool wraps after 32: rank streams must never be the current stream or
     torch.cuda.graph's default capture stream (a rank would then serialize the others)."""
@@ -106,21 +121,12 @@ def test_rank_streams_skip_current_and_capture_stream(monkeypatch):
     from k3tail.runtime.loopback import rank_streams
 
     dev = torch.device("cuda", 0)
-    pool = iter([5, 7, 5, 9, 11, 13] + list(range(100, 200)))
-
-    class S:
-        def __init__(self, device=None, handle=None):
-            self.device = dev
-            self.cuda_stream = next(pool) if handle is None else handle
-
-    monkeypatch.setattr(torch.cuda, "Stream", S)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: S(handle=7))
+    pool, S = _fake_stream_pool(monkeypatch, dev)
+    pool[0] = iter([5, 7, 5, 9, 11, 13] + list(range(100, 200)))
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", S(handle=9), raising=False)
     got = [s.cuda_stream for s in rank_streams(dev, 4)]
     assert got == [5, 11, 13, 100]  # 7 (current), the second 5 (taken) and 9 (capture) skipped
-    pool2 = iter([1, 1] * 100)
-    monkeypatch.setattr(S, "__init__", lambda self, device=None, handle=None: (
-        setattr(self, "device", dev), setattr(self, "cuda_stream", next(pool2) if handle is None else handle)) and None)
+    pool[0] = iter([1, 1] * 100)
     with pytest.raises(K3TailError, match="too few distinct streams"):
         rank_streams(dev, 3)
 
@@ -132,20 +138,13 @@ def test_capture_stream_is_never_a_rank_stream(monkeypatch):
     from k3tail.runtime.loopback import LoopbackWorld
 
     dev = torch.device("cuda", 0)
-
-    class S:
-        def __init__(self, device=None, handle=None):
-            self.device = dev
-            self.cuda_stream = next(pool) if handle is None else handle
-
-    monkeypatch.setattr(torch.cuda, "Stream", S)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: S(handle=7))
+    pool, S = _fake_stream_pool(monkeypatch, dev)
     world = object.__new__(LoopbackWorld)  # no GPU here: the fields capture_stream reads
     world.device, world.streams, world._capture = dev, [S(handle=h) for h in (3, 4, 5)], None
-    pool = iter([4, 7, 3, 5, 6, 8])
+    pool[0] = iter([4, 7, 3, 5, 6, 8])
     first = world.capture_stream()
     assert first.cuda_stream == 6 and world.capture_stream() is first
-    world._capture, pool = None, iter([3, 4, 5, 7] * 20)
+    world._capture, pool[0] = None, iter([3, 4, 5, 7] * 20)
     with pytest.raises(K3TailError, match="no stream left"):
         world.capture_stream()
 

@@ -107,6 +107,7 @@ def test_gpu_loopback_sweep_every_tier(W):
     up_cpu = up_full.cpu()
     print(f"\nW={W}: built in {time.monotonic() - t0:.1f} s; possible {mods[0].negotiated['possible']}")
     problems = []
+    dump_s = float(os.environ.get("K3TAIL_STACK_DUMP_S", "0"))  # > 0: dump the host stacks of a run that long
     for M in MS:
         seed = 1000 * W + M
         ins = [_inputs(M, W, r, seed, dev, up) for r in range(W)]
@@ -115,7 +116,6 @@ def test_gpu_loopback_sweep_every_tier(W):
             if mods[0].why_not(tier, M) is not None:
                 continue
             plan = mods[0].plan_for(M, False, tier)
-            dump_s = float(os.environ.get("K3TAIL_STACK_DUMP_S", "0"))
             if dump_s > 0:  # diagnosis: where every host thread is if this run is still going after dump_s
                 faulthandler.dump_traceback_later(dump_s, exit=False, file=sys.stderr)
             try:

@@ -19,6 +19,20 @@ from k3tail.errors import K3TailError
 __all__ = ["LoopbackGroup", "LoopbackWorld", "group_identity", "rank_streams"]
 
 
+def _pool_streams(device: torch.device, n: int, avoid: set) -> list:
+    """Up to ``n`` streams from torch's pool whose handles are not in ``avoid`` (added to it as taken):
+    the pool hands out 32 streams per priority in turn, so a new stream can be an old one."""
+    out = []
+    for _ in range(n + 64):
+        if len(out) == n:
+            break
+        s = torch.cuda.Stream(device=device)
+        if s.cuda_stream not in avoid:
+            avoid.add(s.cuda_stream)
+            out.append(s)
+    return out
+
+
 def rank_streams(device: torch.device, n: int) -> list:
     """``n`` pooled streams that are neither the current stream nor torch.cuda.graph's default
     capture stream (created here if torch has not made it yet, as torch would): the pool hands
@@ -30,14 +44,7 @@ def rank_streams(device: torch.device, n: int) -> list:
     avoid = {torch.cuda.current_stream(device).cuda_stream}
     if cap is not None and cap.device == device:
         avoid.add(cap.cuda_stream)
-    out = []
-    for _ in range(n + 64):
-        if len(out) == n:
-            break
-        s = torch.cuda.Stream(device=device)
-        if s.cuda_stream not in avoid:
-            avoid.add(s.cuda_stream)
-            out.append(s)
+    out = _pool_streams(device, n, avoid)
     if len(out) < n:
         raise K3TailError(f"LoopbackWorld({n}): torch's stream pool has too few distinct streams for {n} "
                           f"virtual ranks (32 per priority, less the current and the capture stream)")
@@ -85,14 +92,11 @@ class LoopbackWorld:
         test's 33rd capture)."""
         if self._capture is None:
             avoid = {s.cuda_stream for s in self.streams} | {torch.cuda.current_stream(self.device).cuda_stream}
-            for _ in range(64):
-                s = torch.cuda.Stream(device=self.device)
-                if s.cuda_stream not in avoid:
-                    self._capture = s
-                    break
-            else:
+            got = _pool_streams(self.device, 1, avoid)
+            if not got:
                 raise K3TailError("LoopbackWorld.capture_stream: torch's stream pool has no stream left that "
                                   "is not a virtual rank's")
+            self._capture = got[0]
         return self._capture
 
     def group(self, rank: int) -> "LoopbackGroup":
