@@ -140,6 +140,17 @@ class WorkspacePoisoned(PeerTimeout):
         base = PeerFault._what(self) if self.reason != "poisoned" else "an earlier call failed"
         return f"fails at once: an earlier fault ({base})"
 
+    def as_found(self) -> PeerFault:
+        """The same record as the error of its reason (what ``fault_error(..., before=False)`` gives):
+        for a fault that rose *during* a call whose start check had passed, met first by a later step
+        of that call (on a GPU a kernel posts an index fault while the host still launches the call's
+        next op, whose start check then sees the fault flag)."""
+        cls = _REASON_CLASS.get(self.reason, PeerFault)
+        e = cls.__new__(cls)
+        e.__dict__.update(self.__dict__)
+        Exception.__init__(e, e._message())
+        return e
+
 
 class PeerMismatch(PeerFault):
     """A peer's call is another call: the call tags (Lamport tiers) or the group header differ."""
@@ -175,8 +186,8 @@ def fault_error(op: str, rank: int, world_size: int, word: int, *, waited_s: flo
         return WorkspacePoisoned(op, rank, world_size, waited_s, detail, **kw)
     if rec["reason"] == "timeout":
         return PeerTimeout(op, rank, world_size, waited_s, detail, **kw)
-    if rec["reason"] == "mismatch":
-        return PeerMismatch(op, rank, world_size, detail, **kw)
-    if rec["reason"] in ("rejected", "index"):
-        return PeerRejected(op, rank, world_size, detail, **kw)
-    return PeerFault(op, rank, world_size, detail, **kw)
+    return _REASON_CLASS.get(rec["reason"], PeerFault)(op, rank, world_size, detail, **kw)
+
+
+# the error class of a fault record's reason (a fault met by the call that raises it)
+_REASON_CLASS = {"timeout": PeerTimeout, "mismatch": PeerMismatch, "rejected": PeerRejected, "index": PeerRejected}

@@ -653,6 +653,11 @@ class K3MoETail(nn.Module):
                 late = self._header(seq, M, plan, x)
             out = body(ctx, x)
         except PeerFault as e:
+            if type(e) is WorkspacePoisoned and e.reason != "poisoned":
+                # The start check above passed, so the fault rose during this call: a kernel of it
+                # posted the fault (on a GPU while the host still launched the call's next op, whose
+                # own start check then saw the flag).  Raise it as what it is, as check() would.
+                e = e.as_found()
             raise self._fail(e, plan.tier.name, joined) from None
         if late:  # every rank ran this call (it is exact); the group is faulted from the next call on
             self._fail(PeerTimeout("group header", self.rank, self.world_size, self.timeout_s,

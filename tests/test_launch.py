@@ -149,6 +149,37 @@ def test_capture_stream_is_never_a_rank_stream(monkeypatch):
         world.capture_stream()
 
 
+def test_loopback_run_issues_every_rank_when_one_raises(monkeypatch):
+    """``LoopbackWorld.run``: a rank whose call raises does not keep the ranks after it from making
+    theirs (separate processes would each call); every stream is joined back; the first rank's error
+    is raised and ``last_errors`` holds each rank's."""
+    import contextlib
+
+    from k3tail.runtime.loopback import LoopbackWorld
+
+    dev = torch.device("cuda", 0)
+    _, S = _fake_stream_pool(monkeypatch, dev)
+    joined = []
+    S.wait_stream = lambda self, other: joined.append((self.cuda_stream, other.cuda_stream))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    world = object.__new__(LoopbackWorld)
+    world.device, world.streams, world._capture = dev, [S(handle=h) for h in (3, 4, 5, 6)], None
+    called = []
+
+    def fn(r):
+        called.append(r)
+        if r in (1, 2):
+            raise ValueError(f"rank {r} fails")
+        return r * 10
+
+    with pytest.raises(ValueError, match="rank 1 fails"):
+        world.run(fn, warm=False)
+    assert called == [0, 1, 2, 3]
+    assert [type(e).__name__ if e else None for e in world.last_errors] == [None, "ValueError", "ValueError", None]
+    assert sorted(j for j in joined if j[0] == 7) == [(7, 3), (7, 4), (7, 5), (7, 6)]  # every rank joined back
+    assert world.run(lambda r: r + 1, warm=False) == [1, 2, 3, 4] and world.last_errors == [None] * 4
+
+
 # ------------------------------------------------------------------ the direct launcher
 def _native_spec():
     try:

@@ -565,6 +565,52 @@ def _gpu_index_body(rank, W):
     return out
 
 
+def _late_fault_worker(rank, W, kind):
+    """Every tier's call with an index out of range on rank 1, with the host learning a launch's fault
+    late, as on a GPU: ``after_launch`` (under the interpreter it raises the fault a launch met) does
+    nothing, so the fault is first seen by a later op's start check inside the same call, or by
+    ``check()``.  Returns, per tier, each call's error class and failing rank (raised by the call, else
+    by ``check()``)."""
+    from k3tail.runtime import checks, launch as L
+    L.after_launch = lambda *a, **k: None  # this rank process only (spawned for this test)
+    checks.check_indices = lambda *a, **k: None  # as for CUDA tensors: the device checks the index
+    mod = k3tail.K3MoETail(k3tail.TailConfig(max_tokens=16, **SHAPE), prefix="pair.late.layers.0",
+                           lane_max_tokens=LANE, timeout_s=TIMEOUT, tactics=CPU_TACTICS, exchange=kind)
+    out = {}
+    for name in ("separate", "lane", "sharded", "tail"):
+        forced, gp, M, _ = TIERS[name]
+        try:
+            mod(graph_phase=gp, tier=forced, **_inputs(SHAPE, M, W, rank, seed=40, bad_index=rank == 1))
+            try:
+                mod.check()
+                out[name] = ("ok", None, None)
+            except k3tail.K3TailError as e:
+                out[name] = ("check", type(e).__name__, getattr(e, "failing_rank", None))
+        except k3tail.K3TailError as e:
+            out[name] = ("call", type(e).__name__, getattr(e, "failing_rank", None))
+        k3tail.reset()
+    return out
+
+
+def test_fault_found_by_a_later_op_of_the_call_cpu():
+    """A fault that rises during a call and is met first by a later op's start check (on a GPU the
+    kernel posts it while the host still launches the call's next op) is that call's fault: every rank
+    raises PeerRejected naming rank 1, from the call or from ``check()``, never WorkspacePoisoned (the
+    class of a call made after a known fault).  Seen on the H100 (process W = 2, FUSED_LANE_AR; loopback
+    W = 4, SEPARATE_REDUCE) before the fix; here the host learns each launch's fault late by design."""
+    W = 2
+    per_rank = k3tail.spawn(W, _late_fault_worker, "peer", timeout=240)
+    print("\n" + "\n".join(f"rank {r}: {res}" for r, res in enumerate(per_rank)))
+    in_call = 0
+    for name in ("separate", "lane", "sharded", "tail"):
+        for r in range(W):
+            where, cls, failing = per_rank[r][name]
+            assert (cls, failing) == ("PeerRejected", 1), (name, r, per_rank[r][name])
+            in_call += where == "call"
+    # the path under test: some call met the fault in a later op of its own (else this test proves nothing)
+    assert in_call >= 2, per_rank
+
+
 @pytest.mark.gpu
 def test_gpu_process_index_fault_graph_and_eager():
     """Process path W = 2 (both processes on the one H200: gloo + symmetric memory): an index out of
@@ -698,15 +744,20 @@ def test_gpu_soak_loopback_w4():
                 xs[victim]["expanded_idx"][0, 0] = ROWS + 7
             tiers = [t for t in possible if mods[0].why_not(t, M) is None]
             tier = rng.choice(tiers)
-            outs = world.run(lambda r: mods[r](tier=tier, **xs[r]))
             name = f"eager {tier.name}"
+            try:
+                outs = world.run(lambda r: mods[r](tier=tier, **xs[r]))
+            except k3tail.K3TailError:  # a call may raise its own fault (a later op of it met the fault)
+                if not inject:
+                    raise
         torch.cuda.synchronize()
         errs = []
-        for m in mods:
+        for r, m in enumerate(mods):  # each rank's error: its call's own, else check()'s
+            call_err = world.last_errors[r] if name.startswith("eager") else None
             try:
                 m.check()
             except k3tail.K3TailError as e:
-                errs.append(e)
+                errs.append(call_err or e)
         if inject:
             injected += 1
             assert len(errs) == W and all(isinstance(e, k3tail.PeerRejected) for e in errs), (step, name, errs)

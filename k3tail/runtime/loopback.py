@@ -139,6 +139,11 @@ class LoopbackWorld:
         must therefore only launch work (no host reads of its results).  ``warm=False``
         skips that pass (timed loops whose every variant is already loaded: the pass would
         run their torch ops a second time inside the measured interval).
+
+        If ``fn`` raises for a rank, the ranks after it are still issued (as separate processes
+        would each make their call: a rank that fails a call must not keep its peers from theirs),
+        the streams are joined, and then the first rank's error is raised; ``last_errors`` holds
+        each rank's error (None where ``fn`` returned).
         """
         cur = torch.cuda.current_stream(self.device)
         if any(s.cuda_stream == cur.cuda_stream for s in self.streams):
@@ -158,15 +163,23 @@ class LoopbackWorld:
         of :meth:`run` fork: the warm pass runs ``fn``'s torch ops for real, and without the
         fork they read inputs that ``cur`` is still writing (seen on the H200: the finalize's
         gather read a half-written ``expanded_idx`` of a fresh M = 8192 input and asserted)."""
-        out, self.last_issue_s = [], []
+        out, self.last_issue_s, self.last_errors = [], [], []
         for r, s in enumerate(self.streams):
             s.wait_stream(cur)
             t0 = time.monotonic()
-            with torch.cuda.stream(s):
-                out.append(fn(r))
+            try:
+                with torch.cuda.stream(s):
+                    out.append(fn(r))
+                self.last_errors.append(None)
+            except Exception as e:  # noqa: BLE001 - re-raised below, once every rank has issued
+                out.append(None)
+                self.last_errors.append(e)
             self.last_issue_s.append(time.monotonic() - t0)
         for s in self.streams:
             cur.wait_stream(s)
+        first = next((e for e in self.last_errors if e is not None), None)
+        if first is not None:
+            raise first
         return out
 
     def _region(self, seq: int, nbytes: int, arm32=()) -> List[torch.Tensor]:
