@@ -1,7 +1,9 @@
 """k3tail: fused MoE-tail collectives for tensor-parallel LLM serving (Triton over symmetric memory).
 
 On a machine without CUDA the Triton kernels can only run in Triton's interpreter, so
-importing k3tail there sets ``TRITON_INTERPRET=1`` unless the variable is already set.
+importing k3tail there sets ``TRITON_INTERPRET=1`` unless the variable is already set, and
+under the interpreter installs :mod:`k3tail.runtime.interp` (the same values, ~40% less CPU
+time; ``K3TAIL_INTERP_MEMO=0`` leaves Triton's interpreter as it is).
 Heavier submodules are imported on first use of their names (PEP 562), so ``import
 k3tail`` stays cheap and never imports flashinfer.
 """
@@ -13,6 +15,11 @@ import torch as _torch
 
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from k3tail.runtime import interp as _interp  # noqa: E402
+
+if _interp.wanted():  # the interpreter without its per-helper-call re-patching (k3tail.runtime.interp)
+    _interp.install()
 
 from k3tail.errors import (InputRejected, K3TailError, PeerFault, PeerMismatch, PeerRejected,  # noqa: E402
                            PeerTimeout, TierUnavailable, WorkspacePoisoned)
