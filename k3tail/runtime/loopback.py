@@ -143,7 +143,8 @@ class LoopbackWorld:
         If ``fn`` raises for a rank, the ranks after it are still issued (as separate processes
         would each make their call: a rank that fails a call must not keep its peers from theirs),
         the streams are joined, and then the first rank's error is raised; ``last_errors`` holds
-        each rank's error (None where ``fn`` returned).
+        each rank's error (None where ``fn`` returned) until the next run: their tracebacks keep
+        that call's frames, inputs included (set it to None to let them go sooner).
         """
         cur = torch.cuda.current_stream(self.device)
         if any(s.cuda_stream == cur.cuda_stream for s in self.streams):
@@ -179,6 +180,7 @@ class LoopbackWorld:
             cur.wait_stream(s)
         first = next((e for e in self.last_errors if e is not None), None)
         if first is not None:
+            out = None  # (the raised error's traceback holds this frame: not the other ranks' outputs)
             raise first
         return out
 
