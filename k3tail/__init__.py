@@ -2,8 +2,8 @@
 
 On a machine without CUDA the Triton kernels can only run in Triton's interpreter, so
 importing k3tail there sets ``TRITON_INTERPRET=1`` unless the variable is already set, and
-under the interpreter installs :mod:`k3tail.runtime.interp` (the same values, ~40% less CPU
-time; ``K3TAIL_INTERP_MEMO=0`` leaves Triton's interpreter as it is).
+under the interpreter installs :mod:`k3tail.runtime.interp` (the same values, less CPU
+time; ``K3TAIL_INTERP_FAST=0`` leaves Triton's interpreter as it is).
 Heavier submodules are imported on first use of their names (PEP 562), so ``import
 k3tail`` stays cheap and never imports flashinfer.
 """
