@@ -111,9 +111,9 @@ def _late_peer(rank, W, late_s):
 
 
 def test_a_polling_rank_yields_its_core():
-    """While rank 0 waits 2 s for rank 1, it sleeps at each poll instead of spinning (a poll costs about
-    3 ms of interpreted work, then sleeps 1 ms: about 0.75 of the wait on the CPU, against 1.0 when it
-    spins, as with K3TAIL_INTERP_FAST=0), and the result is the exact sum."""
+    """While rank 0 waits 2 s for rank 1, it sleeps at each poll instead of spinning (a poll costs a few
+    ms of interpreted work, then sleeps 1 ms: 0.5 to 0.75 of the wait on the CPU in runs here, against
+    1.0 when it spins, as with K3TAIL_INTERP_FAST=0), and the result is the exact sum."""
     res = k3tail.spawn(2, _late_peer, 2.0, timeout=180)
     r0 = res[0]
     print(f"\nrank 0: wall {r0['wall']:.2f} s, cpu {r0['cpu']:.2f} s, {r0['polls']} polls")
