@@ -178,6 +178,22 @@ def test_loopback_run_issues_every_rank_when_one_raises(monkeypatch):
     assert [type(e).__name__ if e else None for e in world.last_errors] == [None, "ValueError", "ValueError", None]
     assert sorted(j for j in joined if j[0] == 7) == [(7, 3), (7, 4), (7, 5), (7, 6)]  # every rank joined back
     assert world.run(lambda r: r + 1, warm=False) == [1, 2, 3, 4] and world.last_errors == [None] * 4
+    # the raised error's traceback (the run's frame) does not keep the other ranks' outputs alive
+    import weakref
+    refs = []
+
+    def fn2(r):
+        t = torch.ones(4)
+        refs.append(weakref.ref(t))
+        if r == 2:
+            raise ValueError("rank 2 fails")
+        return t
+
+    with pytest.raises(ValueError) as info:
+        world.run(fn2, warm=False)
+    assert info.value is world.last_errors[2]
+    world.last_errors = None
+    assert [ref() is None for i, ref in enumerate(refs) if i != 2] == [True] * 3
 
 
 # ------------------------------------------------------------------ the direct launcher
