@@ -37,18 +37,19 @@ HOST_RECOVERY = ("every rank of the group raised this at the same rendezvous; on
 
 
 def decode_record(word: int) -> dict:
-    """``{"code", "reason", "failing_rank", "detected_by"}`` of a packed fault record (0: none)."""
+    """``{"code", "reason", "failing_rank", "detected_by", "call"}`` of a packed fault record (0:
+    none); ``call`` is the poster's device call number mod 2^11 (``lamport``'s ``CTRL_CALL``)."""
     word = int(word)
     code = word & 0xF
     failing = (word >> 4) & 0xFF
     det = (word >> 12) & 0xFF
     return {"code": code, "reason": REASONS.get(code, "unknown"),
             "failing_rank": None if failing == NO_RANK else failing,
-            "detected_by": None if det == NO_RANK else det}
+            "detected_by": None if det == NO_RANK else det, "call": (word >> 20) & 0x7FF}
 
 
 def record_word(code: int, failing: Optional[int], detector: Optional[int]) -> int:
-    """Host twin of ``lamport.fault_record``."""
+    """Host twin of ``lamport.fault_record`` (the call number, bits 20-30, is added on the device)."""
     f = NO_RANK if failing is None else int(failing)
     d = NO_RANK if detector is None else int(detector)
     return int(code) + (f & 0xFF) * 16 + (d & 0xFF) * 4096

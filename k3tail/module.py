@@ -646,6 +646,7 @@ class K3MoETail(nn.Module):
         self._last_tier = plan.tier.name
         if M == 0:  # nothing to exchange (every rank must agree: a peer with M > 0 times out, and this
             return torch.empty(0, self.config.hidden, dtype=self.config.dtype, device=self.device)  # rank fails next)
+        g.fault_ws.advance_call()  # the device's call number: a fault record names its call (lamport.py)
         joined = late = False
         try:
             if self._kind == "group" and plan.path != "tail" and not _capturing(self.device):
@@ -741,7 +742,7 @@ class K3MoETail(nn.Module):
         if self._kind == "group" and not _capturing(self.device):
             g.pending.append(self._ctx.coll.post(self._header_vec(status=_FAILED)))
             g.headers += 1
-        post_abort(g.fault_ws, _CODES["rejected"], r, r)
+        post_abort(g.fault_ws, _CODES["rejected"], r, r, next_call=True)  # this call never advanced the counter
         if isinstance(e, TierUnavailable):
             err = TierUnavailable(f"{e} (rank {r} of {W}: its peers were told; the group's k3tail calls fail "
                                   f"until k3tail.reset(group) runs on every rank)")

@@ -189,11 +189,21 @@ def test_loopback_run_issues_every_rank_when_one_raises(monkeypatch):
             raise ValueError("rank 2 fails")
         return t
 
-    with pytest.raises(ValueError) as info:
-        world.run(fn2, warm=False)
-    assert info.value is world.last_errors[2]
-    world.last_errors = None
-    assert [ref() is None for i, ref in enumerate(refs) if i != 2] == [True] * 3
+    import gc
+    gc.disable()  # what follows must hold by reference counting alone: no cycle may keep a failed call alive
+    try:
+        with pytest.raises(ValueError) as info:
+            world.run(fn2, warm=False)
+        assert info.value is world.last_errors[2]
+        world.last_errors = None
+        assert [ref() is None for i, ref in enumerate(refs) if i != 2] == [True] * 3
+        # ... nor, once the caller drops the error, the failing rank's own tensors (its frame is in the
+        # traceback): error -> traceback -> run's frame -> a local naming the error would be a cycle
+        assert refs[2]() is not None
+        del info
+        assert refs[2]() is None, "a reference cycle keeps the failed call's tensors until a full gc"
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------ the direct launcher

@@ -790,3 +790,89 @@ def test_gpu_soak_loopback_w4():
     assert caught == injected > 0
     assert grow <= 1 << 20, f"allocated GPU memory grew by {grow} bytes"
     assert took < 120, f"{CALLS} calls took {took:.1f} s"
+
+
+def _early_fault_worker(rank, W, lagging, victim):
+    """TAIL_FUSION (barrier-free) at W ranks: call 0 healthy, but ``lagging`` holds its last launch (C)
+    of call 0 back until the victim's fault record of call 1 is in its fault word; the victim finishes
+    call 0 (every rank's data of call 0 is published before C), then fails call 1: its host rejects
+    the index (``index``), or, with the host check off, its device finds it (``devindex``).  Returns per
+    mode each call's outcome and whether the race was staged (the record was there before C)."""
+    import k3tail.ops.tail as tail_op
+    from k3tail.runtime import checks
+
+    mod = k3tail.K3MoETail(k3tail.TailConfig(max_tokens=16, **SHAPE), prefix="pair.early.layers.0",
+                           lane_max_tokens=LANE, timeout_s=20.0, tactics=CPU_TACTICS)
+    orig_b, orig_check = tail_op._launch_b, checks.check_indices
+    state = {"hold": False, "staged": None}
+
+    def held_b(*a, **k):
+        orig_b(*a, **k)
+        if state["hold"]:
+            t_end = time.monotonic() + 60.0
+            while mod._group.fault_ws.fault_word() == 0 and time.monotonic() < t_end:
+                time.sleep(0.02)
+            state["staged"] = mod._group.fault_ws.fault_word() != 0
+
+    tail_op._launch_b = held_b
+    out = {}
+    for mode in ("index", "devindex"):
+        calls = []
+        for i in range(3):
+            seed = 9100 + 10 * (mode == "devindex") + i
+            bad = rank == victim and i == 1
+            state["hold"] = rank == lagging and i == 0
+            x = _inputs(SHAPE, 3, W, rank, seed)
+            if bad:  # row 0: the device finds it before any wait of the call (program 0 comes first here)
+                x["expanded_idx"] = x["expanded_idx"].clone()
+                x["expanded_idx"][0, 0] = x["expert_out"].shape[0]  # R: just out of range
+            if bad and mode == "devindex":
+                checks.check_indices = lambda *a, **k: None
+            t0 = time.monotonic()
+            try:
+                calls.append({"ok": True, "out": mod(graph_phase=True, **x), "seed": seed})
+            except k3tail.K3TailError as e:
+                calls.append({"ok": False, "cls": type(e).__name__, "msg": str(e), "t": time.monotonic() - t0,
+                              "failing": getattr(e, "failing_rank", None), "seed": seed})
+            finally:
+                checks.check_indices = orig_check
+                state["hold"] = False
+            if i == 1:
+                try:  # every rank learns the fault of call 1 (it may have been posted after its call returned)
+                    mod.check()
+                    calls[-1]["check"] = None
+                except k3tail.K3TailError as e:
+                    calls[-1]["check"] = (type(e).__name__, getattr(e, "failing_rank", None))
+                k3tail.reset()
+        out[mode] = {"calls": calls, "staged": state["staged"]}
+        state["staged"] = None
+    return out
+
+
+def test_fault_of_a_later_call_spares_a_lagging_peer_cpu():
+    """A fault record names its call (``lamport.py``): on a barrier-free tier a rank can finish call 0 and
+    fail call 1 while a peer's last launch of call 0 has not started.  That peer must finish call 0 (its
+    data are all there) and fail call 1 like the others.  Staged deterministically at W = 3 (rank 0 holds
+    its launch C back until rank 2's record is in its fault word), for a host reject and a device-found
+    index.  Before the fix rank 0's start check saw the word and skipped C: rank 0 raised at call 0
+    while ranks 1 and 2 returned it (the flake of ``test_faults_lamport_tiers_cpu[3]``)."""
+    W, lagging, victim = 3, 0, 2
+    per_rank = k3tail.spawn(W, _early_fault_worker, lagging, victim, timeout=300)
+    for mode in ("index", "devindex"):
+        rows = [per_rank[r][mode] for r in range(W)]
+        print(f"\n{mode}: staged={rows[lagging]['staged']} " + "; ".join(
+            f"rank {r}: " + ", ".join("ok" if c["ok"] else f"{c['cls']}(failing {c['failing']})" for c in row["calls"])
+            for r, row in enumerate(rows)))
+        assert rows[lagging]["staged"] is True, f"{mode}: the race was not staged (no record before C)"
+        for i in (0, 2):  # call 0 (the race) and call 2 (after the reset): exact and equal on every rank
+            got = [rows[r]["calls"][i] for r in range(W)]
+            for r, g in enumerate(got):
+                assert g["ok"], f"{mode}: rank {r} raised at call {i}: {_strip(g)}"
+            ref = _reference(SHAPE, 3, W, got[0]["seed"])
+            T.check_tail(got[0]["out"], what=f"{mode} call {i}", **ref)
+            for g in got[1:]:
+                assert torch.equal(g["out"].view(torch.int16), got[0]["out"].view(torch.int16)), (mode, i)
+        for r in range(W):  # call 1 fails on every rank, naming the victim (from the call, or from check())
+            c = rows[r]["calls"][1]
+            failing = c["check"][1] if c["ok"] and c["check"] else c.get("failing")
+            assert failing == victim, (mode, r, _strip(c))

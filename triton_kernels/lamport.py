@@ -89,6 +89,22 @@ reason, the failing and the detecting rank from the record.  ``CTRL_FAULT_TAG`` 
 The host's abort path (a rank that rejects its inputs) posts a record with
 ``abort_kernel``.
 
+A fault record names its call (``CTRL_CALL``).  Word ``CTRL_CALL`` of a fault block counts the
+calls this rank has started on the device: the caller that owns the call tag (``K3MoETail``, or a
+standalone op called without a tag) advances it on the stream before the call's first launch
+(``Workspace.advance_call``; a CUDA graph captures the increment, so every replay advances it too,
+and a rank's n-th call has number n on every rank, as calls pair by order).  Every record carries
+the poster's number (bits 20-30, mod 2^11): :func:`post_fault` takes it from its own block, and the
+abort path of a rank that rejects call n + 1 before launching it names n + 1.  A rank's launch obeys
+a fault word only when the record's call is not later than its own (:func:`is_poisoned`, mod 2^11
+with a window of 1024 calls; ranks are never more than a call or two apart).  Why: the tiers are
+barrier-free, so a rank can finish call n, reject call n + 1 and post its record while a peer's last
+launch of call n has not started yet.  That peer's data of call n are all published (the poster
+consumed them), so the peer must finish call n exactly; before this rule its start check saw the
+word and skipped the launch: one rank failed call n while the others returned it (seen under the
+interpreter, ``test_pairing.py``; on a GPU the skipping rank would have returned an unwritten
+output).  The peer obeys the record at its next launch, which belongs to call n + 1.
+
 Control block (int32, in this rank's region; only the fault word is ever written by peers)::
 
     [CTRL_STAGE]      stage counter, advanced by the last program of each launch
@@ -96,6 +112,7 @@ Control block (int32, in this rank's region; only the fault word is ever written
     [CTRL_DONE]       programs of the current launch that finished (last one resets it)
     [CTRL_USER..7]    per-op state (e.g. the exchange's barrier epoch)
     [CTRL_FAULT_TAG]  the detecting rank's tag, [CTRL_FAULT_GOT] the tag it saw
+    [CTRL_CALL]       calls this rank started (advanced by the host, on the stream; see above)
 """
 
 import os
@@ -116,11 +133,14 @@ CTRL_DONE = 2
 CTRL_USER = 4
 CTRL_FAULT_TAG = 8
 CTRL_FAULT_GOT = 9
+CTRL_CALL = 10
+CALL_BITS = 11       # a record's call number: bits 20-30 (the record stays a positive int32)
+CALL_SHIFT = 20
 CTRL_WORDS = 16
 CTRL_BYTES = CTRL_WORDS * 4
 
 # Fault record: reason code (bits 0-3), failing rank (bits 4-11; 255 = unknown), detecting
-# rank (bits 12-19).  Always > 0.  ``k3tail.ops.fault`` decodes it.
+# rank (bits 12-19), the poster's call number mod 2^11 (bits 20-30).  Always > 0.  ``k3tail.ops.fault`` decodes it.
 FAULT_TIMEOUT = 1    # a peer never arrived before the deadline
 FAULT_MISMATCH = 2   # a peer published another call's tag
 FAULT_REJECTED = 3   # a rank rejected its inputs (host abort path)
@@ -219,8 +239,20 @@ def cta_any(flag):
 
 @triton.jit
 def is_poisoned(fault_ptr):
-    """Is the fault word of this fault block set (by this rank or a peer)?"""
-    return tl.load(fault_ptr + 1, volatile=True) != 0
+    """Does the fault word of this fault block hold a record (posted by this rank or a peer) of this
+    rank's current call or an earlier one?  A record of a later call (a peer that finished this
+    call, then failed its next) is obeyed from this rank's next call on (module docstring)."""
+    word = tl.load(fault_ptr + 1, volatile=True)
+    mine = tl.load(fault_ptr + 10, volatile=True)
+    ahead = ((word >> 20) - mine) & 0x7FF  # how many calls the record's call is past ours (mod 2^11)
+    return (word != 0) & ((ahead == 0) | (ahead >= 1024))
+
+
+@triton.jit
+def with_call(record, fault_ptr, adv):
+    """``record`` with this rank's call number (its block's ``CTRL_CALL`` plus ``adv``) in bits 20-30."""
+    call = (tl.load(fault_ptr + 10, volatile=True) + adv) & 0x7FF
+    return (record & 0xFFFFF) | (call << 20)
 
 
 @triton.jit
@@ -241,6 +273,7 @@ def post_fault(ftab_ptr, fault_ptr, host_flag_ptr, record, tag, got, W: tl.const
     keep this rank's tag and the tag it saw in its own block, and set the host mirror."""
     tl.store(fault_ptr + 8, tag)
     tl.store(fault_ptr + 9, got)
+    record = with_call(record, fault_ptr, 0)
     for d in tl.static_range(W):
         peer = tl.load(ftab_ptr + d).to(tl.pointer_type(tl.int32))
         tl.atomic_cas(peer + 1, 0, record, sem="acq_rel", scope="sys")
@@ -393,12 +426,15 @@ def shard_owner(c, HIDDEN: tl.constexpr, W: tl.constexpr):
     return d
 
 
-@triton.jit(do_not_specialize=["record"])
-def abort_kernel(ftab_ptr, host_flag_ptr, record, W: tl.constexpr):
+@triton.jit(do_not_specialize=["record", "adv"])
+def abort_kernel(ftab_ptr, fault_ptr, host_flag_ptr, record, adv, W: tl.constexpr):
     """The host's abort path (one program): post ``record`` into every rank's fault word (CAS
     from 0, as :func:`post_fault`) and set this rank's host mirror.  Launched by a rank that
     rejects its inputs, or that raised a fault, so that every peer's waits end (``k3tail.ops.fault``).
-    It never waits."""
+    The record names this rank's call (``fault_ptr``: its own fault block) plus ``adv``: 1 for a
+    call rejected before its first launch (the device counter has not advanced for it).  It never
+    waits."""
+    record = with_call(record, fault_ptr, adv)
     for d in tl.static_range(W):
         peer = tl.load(ftab_ptr + d).to(tl.pointer_type(tl.int32))
         tl.atomic_cas(peer + 1, 0, record, sem="acq_rel", scope="sys")

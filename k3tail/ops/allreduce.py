@@ -110,6 +110,8 @@ class OneShotAllReduce:
         out = torch.empty_like(x)
         if M == 0:
             return out
+        if tag is None:  # this op owns the call: count it on the device (fault records name their call)
+            ws.advance_call()
         tag = own if tag is None else int(tag)
         st = self._no_status if status is None else status
         chunks = -(-self.width // self.block)

@@ -155,6 +155,8 @@ class PeerExchange:
         ws.check(self.op_name, self.timeout_s)
         if self.world_size == 1:
             return  # no peer: stream order already orders our own writes and reads
+        if tag is None:  # this op owns the call: count it on the device (fault records name their call)
+            ws.advance_call()
         pdl = L.pdl_enabled(ws.device)
         # One spinning program per rank: co-resident under every grid cap (L.grid_cap >= 1).
         L.launch(barrier_kernel, (1,), ws.table, ws.ctrl, ws.fault_blk, ws.ftab, ws.host_flag, L.clock_arg(ws),

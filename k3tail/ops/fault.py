@@ -4,6 +4,10 @@
 * :class:`CallCounter` -- a standalone op's own call sequence (``K3MoETail`` passes its group's tag instead);
 * :func:`post_abort` -- the abort path: post a fault record into every rank's fault word (a tiny kernel).
 
+Calls are also counted on the device (``Workspace.advance_call``), for one purpose only: a fault
+record names the call it belongs to, so that a peer still finishing an earlier call is not stopped
+by it (``triton_kernels/lamport.py``).  Tags stay host values, for the reason below.
+
 Why a tag is never a device counter: a rank that skipped a call has launched exactly as many
 kernels as one that did not launch it either, so only the host can tell calls apart.  The tag
 is a runtime kernel argument; a CUDA graph captures it as a constant (every rank captures the
@@ -61,19 +65,22 @@ class CallCounter:
         return call_tag(self.seq, M)
 
 
-def post_abort(ws: Workspace, code: int, failing: int, detector: int) -> None:
+def post_abort(ws: Workspace, code: int, failing: int, detector: int, *, next_call: bool = False) -> None:
     """Post the fault record ``(code, failing, detector)`` into every rank's fault word of ``ws``'s
     fault block, and set this rank's host mirror: the peers' waits end, and their next launch on
-    any workspace bound to that block does nothing.  A no-op inside CUDA-graph capture (nothing
-    runs there) and in a warm-up pass."""
+    any workspace bound to that block does nothing.  The record names this rank's current call on
+    the device, or the next one with ``next_call`` (a call rejected before it advanced the counter,
+    ``Workspace.advance_call``): a peer still finishing an earlier call finishes it first
+    (``triton_kernels/lamport.py``, "A fault record names its call").  A no-op inside CUDA-graph
+    capture (nothing runs there) and in a warm-up pass."""
     if warm_only_active():
         return
     if ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
     owner = ws.fault_owner
     # on the current stream, after this rank's earlier work (never waits: it only stores)
-    _ABORT.variant(W=owner.world_size, num_warps=1)((1,), owner.ftab, owner.host_flag,
-                                                    record_word(code, failing, detector))
+    _ABORT.variant(W=owner.world_size, num_warps=1)((1,), owner.ftab, owner.ctrl, owner.host_flag,
+                                                    record_word(code, failing, detector), int(next_call))
 
 
 def warm_abort(ws: Workspace) -> None:
@@ -83,4 +90,4 @@ def warm_abort(ws: Workspace) -> None:
 
     owner = ws.fault_owner
     with warm_only():
-        _ABORT.variant(W=owner.world_size, num_warps=1)((1,), owner.ftab, owner.host_flag, 0)
+        _ABORT.variant(W=owner.world_size, num_warps=1)((1,), owner.ftab, owner.ctrl, owner.host_flag, 0, 0)

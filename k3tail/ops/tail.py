@@ -382,6 +382,8 @@ class LatentTail:
                                and prefix_hidden.dim() else 0)
         self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
                        expanded_idx)
+        if tag is None and self.world_size > 1 and prefix_hidden.shape[0] > 0:  # this op owns the call:
+            self.ws.advance_call()  # count it on the device (an M = 0 call launches nothing: not counted)
         return self.run(prefix_hidden=prefix_hidden, shared=shared, norm_weight=norm_weight, up_weight=up_weight,
                         routed=routed, expert_out=expert_out, expert_weights=expert_weights, expanded_idx=expanded_idx,
                         tag=own if tag is None else int(tag))

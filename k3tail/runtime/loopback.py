@@ -180,8 +180,15 @@ class LoopbackWorld:
             cur.wait_stream(s)
         first = next((e for e in self.last_errors if e is not None), None)
         if first is not None:
-            out = None  # (the raised error's traceback holds this frame: not the other ranks' outputs)
-            raise first
+            # The raised error's traceback holds this frame: drop the other ranks' outputs, and
+            # drop ``first`` on the way out, or error -> traceback -> frame -> ``first`` is a
+            # reference cycle that keeps the faulted call's inputs and working tensors alive until
+            # a full garbage collection (the GPU soak's memory grew by 233 MiB over 20 faults).
+            out = None
+            try:
+                raise first
+            finally:
+                first = None
         return out
 
     def _region(self, seq: int, nbytes: int, arm32=()) -> List[torch.Tensor]:

@@ -53,7 +53,7 @@ from k3tail.runtime.comm import Comm, DistComm, comm_for, host_deadline
 from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.sentinel import arm_region
-from k3tail.triton_kernels.lamport import CTRL_BYTES, CTRL_FAULT_GOT, CTRL_FAULT_TAG, CTRL_POISON
+from k3tail.triton_kernels.lamport import CTRL_BYTES, CTRL_CALL, CTRL_FAULT_GOT, CTRL_FAULT_TAG, CTRL_POISON
 
 _ALIGN = 4096
 SHM_PREFIX_ENV = "K3TAIL_SHM_PREFIX"
@@ -133,6 +133,7 @@ class Workspace:
         self.ftab = self.table + self.ctrl_off  # every rank's control block (its fault word)
         self.fault_blk = self.ctrl
         self.fault_owner: "Workspace" = self
+        self._call_word = self.ctrl[CTRL_CALL:CTRL_CALL + 1]
 
     def bind_fault(self, owner: "Workspace") -> None:
         """Check and post faults in ``owner``'s fault block (a group's shared one) instead of
@@ -141,6 +142,13 @@ class Workspace:
             raise K3TailError("bind_fault: the fault block must belong to the same group and device")
         self.fault_blk, self.ftab, self.host_flag = owner.ctrl, owner.ftab, owner.host_flag
         self.fault_owner = owner
+        self._call_word = owner._call_word
+
+    def advance_call(self) -> None:
+        """Count one more call of this rank on the device (the fault block's ``CTRL_CALL``), on the
+        current stream before the call's first launch; a CUDA graph captures it.  Called once per call
+        by the owner of the call's tag, so that fault records name their call (``lamport.py``)."""
+        self._call_word.add_(1)
 
     def poisoned(self) -> bool:
         """Has a fault been seen here?  Reads the host mirror: never syncs."""
