@@ -25,8 +25,10 @@ over the gloo group (the call header):
 In every case every operation of every rank returns or raises within ``timeout_s + 5 s`` (measured per
 rank and operation) and the rank processes end.  A rank's watchdog turns an operation that runs past
 ``timeout_s + 15 s`` into an exit with a note, which the test reports as an assertion (a hang cannot
-run into pytest's own timeout).  The prologue at W = 3 checks ``Comm.exchange`` itself: a rank that
-arrives after the deadline, a rank that fails between two rendezvous, ranks at different rendezvous.
+run into pytest's own timeout).  No blocking ``torch.distributed`` collective runs while a rank builds
+or resets (each is wrapped and recorded: only ``Comm``'s bounded rendezvous may wait).  The prologue
+at W = 3 checks ``Comm.exchange`` itself: a rank that arrives after the deadline, a rank that fails
+between two rendezvous, ranks at different rendezvous.
 """
 
 from __future__ import annotations
@@ -80,9 +82,38 @@ class _Watchdog:
                 os._exit(17)
 
 
+# torch.distributed's collectives: none may run during a construction, a reset or a recovery (a rank
+# that never joins one would leave its peers waiting without a deadline); Comm.exchange replaces them
+_COLLECTIVES = ("barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
+                "scatter_object_list", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
+                "reduce", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                "all_to_all_single")
+_GUARD = {"op": None, "seen": []}
+
+
+def _guard_collectives():
+    """Wrap torch.distributed's collectives: while a host-side operation of k3tail runs (``_op`` names
+    it build*/reset*), record every blocking collective entered (the call still runs).  An async one
+    (``async_op=True``) is allowed: its wait carries a timeout (the recovery joins the group headers
+    its peers wait in that way, ``module._recover``)."""
+    import torch.distributed as dist
+
+    def wrap(name, fn):
+        def guarded(*a, **k):
+            op = _GUARD["op"]
+            if op is not None and op.startswith(("build", "reset")) and not k.get("async_op"):
+                _GUARD["seen"].append(f"{op}: torch.distributed.{name}")
+            return fn(*a, **k)
+        return guarded
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
 def _op(log, dog, name, fn):
     """Run ``fn()``, log ``{op, ok, t, ...}`` (the error's class, message, phase, failing rank, layer)."""
     dog.arm(name)
+    _GUARD["op"] = name
     t0 = time.monotonic()
     try:
         v = fn()
@@ -95,6 +126,7 @@ def _op(log, dog, name, fn):
         return None
     finally:
         dog.disarm()
+        _GUARD["op"] = None
 
 
 def _build(pg, prefix, timeout_s=TIMEOUT):
@@ -175,7 +207,8 @@ def _worker(rank, W, scenarios, notes, prologue):
 
     dog = _Watchdog(rank, notes)
     groups = [dist.new_group(list(range(W)), backend="gloo") for _ in range(len(scenarios) + 1)]
-    out = {"scenarios": []}
+    _guard_collectives()
+    out = {"scenarios": [], "collectives": _GUARD["seen"]}
     if prologue:
         out["prologue"] = _prologue(rank, W, groups[-1], dog)
     for sc, pg in zip(scenarios, groups):
@@ -210,6 +243,10 @@ def _fmt(e):
 
 def _check(res, W, scenarios):
     fails = []
+    for r in range(W):  # every host wait of construction, reset and recovery is one of Comm's bounded rendezvous
+        if res[r]["collectives"]:
+            fails.append(f"rank {r} entered torch.distributed collectives (no deadline) while building or "
+                         f"resetting: {sorted(set(res[r]['collectives']))}")
     for si, sc in enumerate(scenarios):
         what = f"W={W} {sc['mode']} {sc['fault']} (victim {sc['victim']}, {sc.get('recover', '')})"
         rows = [res[r]["scenarios"][si] for r in range(W)]
