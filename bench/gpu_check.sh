@@ -22,11 +22,12 @@ fi
 bash bench/gpu_smoke.sh
 T0=$(date +%s)
 
-run_tests() {  # run_tests NAME FILES...: the GPU tests of FILES, log to $OUT/gpu_NAME.log
+run_tests() {  # run_tests NAME FILES...: the GPU tests of FILES, log to $OUT/gpu_NAME.log (-rP: the passed
+              # tests' printed numbers too, e.g. the soak's summary line)
   local name=$1; shift
   local t=$(date +%s)
-  timeout ${TEST_TIMEOUT:-500} python3 -m pytest "$@" -m gpu -q -rfE -p no:cacheprovider -o timeout=${PYTEST_TIMEOUT:-200} \
-    --durations=10 2>&1 | tee "$OUT/gpu_$name.log" | grep -E "passed|failed|FAILED|ERROR|Error|Timeout|s call"
+  timeout ${TEST_TIMEOUT:-500} python3 -m pytest "$@" -m gpu -q -rfEP -p no:cacheprovider -o timeout=${PYTEST_TIMEOUT:-200} \
+    --durations=10 2>&1 | tee "$OUT/gpu_$name.log" | grep -E "passed|failed|FAILED|ERROR|Error|Timeout|s call|^soak"
   echo "phase $name took $(( $(date +%s) - t )) s"
 }
 
