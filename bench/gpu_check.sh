@@ -9,14 +9,19 @@
 #   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
 #   commit being measured, or the result files record the wrong one)
 #
-# Triton's compile cache travels between calls: a call restores .tcache/triton-cache.tgz when present
-# (name .tcache in the device call's carry) and writes the updated cache to $OUT/triton-cache.tgz (copy it
-# to .tcache/ for the next call).  Compiling is most of a cold GPU test run.
+# Triton's compile cache travels between calls: a call restores .tcache/triton-cache.tgz (or its parts,
+# .tcache/triton-cache.tgz.part-*) when present (.tcache is untracked and not ignored, so it travels) and
+# writes the updated cache to $OUT as parts of at most 15 MB (a file over 16 MiB does not come back from
+# the device); copy the parts to .tcache/ (and remove the older cache there) for the next call.
+# Compiling is most of a cold GPU test run.
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -n "${K3TAIL_COMMIT:-}" ] && export K3TAIL_COMMIT || echo "note: K3TAIL_COMMIT unset; results record the copy's git HEAD"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .tcache/triton-cache.tgz ]; then
+if compgen -G ".tcache/triton-cache.tgz.part-*" > /dev/null; then
+  mkdir -p "$TRITON_CACHE_DIR" && cat .tcache/triton-cache.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR" \
+    && echo "restored Triton cache (parts)"
+elif [ -f .tcache/triton-cache.tgz ]; then
   mkdir -p "$TRITON_CACHE_DIR" && tar xzf .tcache/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
 fi
 bash bench/gpu_smoke.sh
@@ -71,5 +76,6 @@ for phase in $phases; do
 done
 echo "all phases took $(( $(date +%s) - T0 )) s"
 tar czf "$OUT/results.tgz" bench/results k3tail/tables 2>/dev/null
-[ -d "$TRITON_CACHE_DIR" ] && tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && ls -la "$OUT/triton-cache.tgz"
+[ -d "$TRITON_CACHE_DIR" ] && tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/triton-cache.tgz.part-" \
+  && ls -la "$OUT"/triton-cache.tgz.part-*
 ls -la bench/results | tail -20
