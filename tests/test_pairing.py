@@ -837,6 +837,12 @@ def _early_fault_worker(rank, W, lagging, victim):
             finally:
                 checks.check_indices = orig_check
                 state["hold"] = False
+            if i == 0:  # a peer's record of call 1 (already in the lagging rank's word) is not call 0's fault
+                try:
+                    mod.check()
+                    calls[-1]["check"] = None
+                except k3tail.K3TailError as e:
+                    calls[-1]["check"] = (type(e).__name__, getattr(e, "failing_rank", None))
             if i == 1:
                 try:  # every rank learns the fault of call 1 (it may have been posted after its call returned)
                     mod.check()
@@ -849,13 +855,53 @@ def _early_fault_worker(rank, W, lagging, victim):
     return out
 
 
+def test_fault_word_of_this_call_rule_and_ops_check():
+    """The host's twin of ``lamport.is_poisoned``: a record of this rank's call or an earlier one (mod 2^11,
+    a window of 1024 calls) is this rank's fault; a record of a later call is not yet.  The ops' check()
+    (``Workspace.sync_check``) follows it."""
+    from k3tail.errors import record_word
+    from k3tail.runtime.workspace import Workspace
+    from k3tail.triton_kernels.lamport import CALL_SHIFT
+
+    class Fake:
+        device = torch.device("cpu")
+
+        def __init__(self, mine, rec_call):
+            self._call_word = torch.tensor([mine], dtype=torch.int32)
+            self.word = 0 if rec_call is None else record_word(3, 2, 2) | (rec_call << CALL_SHIFT)
+
+        def fault_word(self):
+            return self.word
+
+        def poisoned(self):
+            return False
+
+        fault_word_of_this_call = Workspace.fault_word_of_this_call
+
+        def error(self, op, timeout_s, before):
+            return k3tail.PeerRejected(op, 0, 3, failing_rank=2, detected_by=2)
+
+    cases = [(5, None, False), (5, 5, True), (5, 4, True), (5, 6, False), (5, 7, False), (0, 2047, True),
+             (2047, 0, False), (2047, 2046, True), (5, 5 + 1023, False), (5, 5 + 1024, True)]
+    for mine, rec, theirs_now in cases:
+        f = Fake(mine, rec)
+        assert bool(f.fault_word_of_this_call()) == theirs_now, (mine, rec)
+        if theirs_now:
+            with pytest.raises(k3tail.PeerRejected):
+                Workspace.sync_check(f, "op", 1.0)
+        else:
+            Workspace.sync_check(f, "op", 1.0)
+
+
 def test_fault_of_a_later_call_spares_a_lagging_peer_cpu():
     """A fault record names its call (``lamport.py``): on a barrier-free tier a rank can finish call 0 and
     fail call 1 while a peer's last launch of call 0 has not started.  That peer must finish call 0 (its
     data are all there) and fail call 1 like the others.  Staged deterministically at W = 3 (rank 0 holds
     its launch C back until rank 2's record is in its fault word), for a host reject and a device-found
     index.  Before the fix rank 0's start check saw the word and skipped C: rank 0 raised at call 0
-    while ranks 1 and 2 returned it (the flake of ``test_faults_lamport_tiers_cpu[3]``)."""
+    while ranks 1 and 2 returned it (the flake of ``test_faults_lamport_tiers_cpu[3]``).  ``check()``
+    right after call 0 (the record of call 1 already in the lagging rank's word) must not raise either:
+    an engine that checks after each step would otherwise drop step 0 on one rank only."""
     W, lagging, victim = 3, 0, 2
     per_rank = k3tail.spawn(W, _early_fault_worker, lagging, victim, timeout=300)
     for mode in ("index", "devindex"):
@@ -868,6 +914,8 @@ def test_fault_of_a_later_call_spares_a_lagging_peer_cpu():
             got = [rows[r]["calls"][i] for r in range(W)]
             for r, g in enumerate(got):
                 assert g["ok"], f"{mode}: rank {r} raised at call {i}: {_strip(g)}"
+                if i == 0:  # and check() after call 0 does not raise call 1's fault
+                    assert g["check"] is None, f"{mode}: rank {r}'s check() after call 0 raised {g['check']}"
             ref = _reference(SHAPE, 3, W, got[0]["seed"])
             T.check_tail(got[0]["out"], what=f"{mode} call {i}", **ref)
             for g in got[1:]:

@@ -53,7 +53,8 @@ from k3tail.runtime.comm import Comm, DistComm, comm_for, host_deadline
 from k3tail.runtime.loopback import LoopbackGroup
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.sentinel import arm_region
-from k3tail.triton_kernels.lamport import CTRL_BYTES, CTRL_CALL, CTRL_FAULT_GOT, CTRL_FAULT_TAG, CTRL_POISON
+from k3tail.triton_kernels.lamport import (CALL_BITS, CALL_SHIFT, CTRL_BYTES, CTRL_CALL, CTRL_FAULT_GOT,
+                                           CTRL_FAULT_TAG, CTRL_POISON)
 
 _ALIGN = 4096
 SHM_PREFIX_ENV = "K3TAIL_SHM_PREFIX"
@@ -158,6 +159,17 @@ class Workspace:
         """The fault word (packed record; 0 = healthy) of the fault block (a device read: syncs)."""
         return int(self.fault_blk[CTRL_POISON].item())
 
+    def fault_word_of_this_call(self) -> int:
+        """The fault word if its record belongs to this rank's current call (its device call count)
+        or an earlier one, else 0: a peer's record of a later call is obeyed from that call on, the
+        rule of ``lamport.is_poisoned`` on the host (a device read: syncs)."""
+        word = self.fault_word()
+        if word == 0:
+            return 0
+        mask = (1 << CALL_BITS) - 1
+        ahead = ((word >> CALL_SHIFT) - int(self._call_word.item())) & mask
+        return word if ahead == 0 or ahead >= (mask + 1) // 2 else 0
+
     def fault_tags(self) -> tuple:
         """``(own tag, tag seen)`` that the detecting kernel of this rank noted (meaningful when the
         record's detecting rank is this rank)."""
@@ -180,11 +192,12 @@ class Workspace:
             raise self.error(op, timeout_s, before=True)
 
     def sync_check(self, op: str, timeout_s: float) -> None:
-        """Wait for this rank's device work, then raise the fault if the fault word is set (the
-        ops' ``.check()``; reads the fault word itself, not only the host mirror)."""
+        """Wait for this rank's device work, then raise the fault if the fault word holds a record
+        of this rank's calls so far (the ops' ``.check()``; reads the fault word itself, not only the
+        host mirror; a peer's record of a later call fails that call, :meth:`fault_word_of_this_call`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.poisoned() or self.fault_word():
+        if self.poisoned() or self.fault_word_of_this_call():
             raise self.error(op, timeout_s, before=True)
 
     def rearm(self) -> None:
