@@ -790,7 +790,7 @@ class K3MoETail(nn.Module):
             raise self._refused()
         # A peer's record of a later call is not this rank's fault yet: this rank's calls so far are
         # exact (a peer finished them before it failed its next), and its next call fails on it.
-        if g.fault_ws.poisoned() or g.fault_ws.fault_word_of_this_call():
+        if g.fault_ws.fault_so_far():
             raise self._fail(g.fault_ws.error("K3MoETail", self.timeout_s, before=False), self._last_tier,
                              joined=False)
 

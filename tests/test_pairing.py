@@ -877,6 +877,7 @@ def test_fault_word_of_this_call_rule_and_ops_check():
             return False
 
         fault_word_of_this_call = Workspace.fault_word_of_this_call
+        fault_so_far = Workspace.fault_so_far
 
         def error(self, op, timeout_s, before):
             return k3tail.PeerRejected(op, 0, 3, failing_rank=2, detected_by=2)
@@ -891,6 +892,27 @@ def test_fault_word_of_this_call_rule_and_ops_check():
                 Workspace.sync_check(f, "op", 1.0)
         else:
             Workspace.sync_check(f, "op", 1.0)
+
+
+def test_count_own_call_counts_only_an_owned_call_with_rows():
+    """A standalone op counts its call on the device only when it owns the call (no tag passed), the
+    call has rows (M = 0 launches nothing, and K3MoETail does not count one: the ranks' counts would
+    drift apart by one) and it has peers."""
+    from k3tail.ops.fault import count_own_call
+
+    class Ws:
+        def __init__(self, W):
+            self.world_size, self.n = W, 0
+
+        def advance_call(self):
+            self.n += 1
+
+    for W, tag, M, counted in ((2, None, 3, True), (2, None, 0, False), (2, 7, 3, False), (1, None, 3, False),
+                               (3, None, 1, True)):
+        ws = Ws(W)
+        count_own_call(ws, tag, M)
+        assert ws.n == int(counted), (W, tag, M)
+    count_own_call(None, None, 3)  # an op without a workspace (a world of one): nothing to count
 
 
 def test_fault_of_a_later_call_spares_a_lagging_peer_cpu():

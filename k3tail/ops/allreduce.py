@@ -12,7 +12,7 @@ from k3tail.runtime import launch as L
 from k3tail.runtime.checks import check_tensor
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
-from k3tail.ops.fault import CallCounter
+from k3tail.ops.fault import CallCounter, count_own_call
 from k3tail.runtime.workspace import create_workspace, resolve_device
 from k3tail.triton_kernels.allreduce import oneshot_allreduce_kernel
 from k3tail.triton_kernels.lamport import NUM_STAGES
@@ -110,8 +110,7 @@ class OneShotAllReduce:
         out = torch.empty_like(x)
         if M == 0:
             return out
-        if tag is None:  # this op owns the call: count it on the device (fault records name their call)
-            ws.advance_call()
+        count_own_call(ws, tag, M)
         tag = own if tag is None else int(tag)
         st = self._no_status if status is None else status
         chunks = -(-self.width // self.block)

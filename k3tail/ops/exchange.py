@@ -16,7 +16,7 @@ from k3tail.runtime.comm import comm_for, host_deadline
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.workspace import create_workspace, resolve_device
 from k3tail.runtime.checks import check_tensor
-from k3tail.ops.fault import CallCounter
+from k3tail.ops.fault import CallCounter, count_own_call
 
 _AREA_ALIGN = 256
 GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
@@ -155,8 +155,7 @@ class PeerExchange:
         ws.check(self.op_name, self.timeout_s)
         if self.world_size == 1:
             return  # no peer: stream order already orders our own writes and reads
-        if tag is None:  # this op owns the call: count it on the device (fault records name their call)
-            ws.advance_call()
+        count_own_call(ws, tag)
         pdl = L.pdl_enabled(ws.device)
         # One spinning program per rank: co-resident under every grid cap (L.grid_cap >= 1).
         L.launch(barrier_kernel, (1,), ws.table, ws.ctrl, ws.fault_blk, ws.ftab, ws.host_flag, L.clock_arg(ws),

@@ -2,7 +2,8 @@
 
 * :func:`call_tag` -- the tag a call carries in its Lamport slots (the same on every rank for the same call);
 * :class:`CallCounter` -- a standalone op's own call sequence (``K3MoETail`` passes its group's tag instead);
-* :func:`post_abort` -- the abort path: post a fault record into every rank's fault word (a tiny kernel).
+* :func:`post_abort` -- the abort path: post a fault record into every rank's fault word (a tiny kernel);
+* :func:`count_own_call` -- a standalone op's call counted on the device (the number its fault records carry).
 
 Calls are also counted on the device (``Workspace.advance_call``), for one purpose only: a fault
 record names the call it belongs to, so that a peer still finishing an earlier call is not stopped
@@ -15,6 +16,8 @@ same), so graph replays are told apart by the deadlines, not by tags.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -63,6 +66,15 @@ class CallCounter:
             return call_tag(self.seq, M)
         self.seq += 1
         return call_tag(self.seq, M)
+
+
+def count_own_call(ws: Optional[Workspace], tag: Optional[int], M: int = 1) -> None:
+    """A standalone op called without a tag owns its call: count it on the device
+    (``Workspace.advance_call``), so that its fault records name their call.  Not counted: a call
+    whose tag the caller passes (``K3MoETail`` counts its own calls), a call with M = 0 (it launches
+    nothing; ``K3MoETail`` does not count one either), and a world of one (no peer reads a record)."""
+    if tag is None and M > 0 and ws is not None and ws.world_size > 1:
+        ws.advance_call()
 
 
 def post_abort(ws: Workspace, code: int, failing: int, detector: int, *, next_call: bool = False) -> None:

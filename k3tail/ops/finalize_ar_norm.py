@@ -33,7 +33,7 @@ import torch.distributed as dist
 from k3tail.config import ACT_DTYPES, DEFAULT_EPS, MAX_TOP_K
 from k3tail.numerics import f32
 from k3tail.runtime import launch as L
-from k3tail.ops.fault import CallCounter
+from k3tail.ops.fault import CallCounter, count_own_call
 from k3tail.runtime.checks import check_routed, check_tensor, routed_rows
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
@@ -157,13 +157,6 @@ class _FusedBase:
             self.ws.rearm()
         self._cnt.zero_()
 
-    def _own_call(self, tag, M: int) -> None:
-        """Called without a tag, this op owns the call: count it on the device (fault records name
-        their call, ``triton_kernels/lamport.py``).  A call with M = 0 launches nothing and is not
-        counted (as in ``OneShotAllReduce`` and ``K3MoETail``)."""
-        if tag is None and M > 0 and self.world_size > 1 and self.ws is not None:
-            self.ws.advance_call()
-
     def _validate_routed(self, routed, expert_out, expert_weights, expanded_idx):
         """Return (M, finalize?, top_k) after validating the routed input (materialized or triple)."""
         deferred = check_routed(routed=routed, expert_out=expert_out, expert_weights=expert_weights,
@@ -270,7 +263,7 @@ class FinalizeAllReduceRMSNorm(_FusedBase):
         for name, t in (("shared", shared), ("residual", residual)):
             if t is not None:
                 check_tensor(name, t, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.width))
-        self._own_call(tag, M)
+        count_own_call(self.ws, tag, M)
         return self.run(norm_weight=norm_weight, routed=routed, expert_out=expert_out, expert_weights=expert_weights,
                         expanded_idx=expanded_idx, shared=shared, residual=residual,
                         tag=own if tag is None else int(tag))
@@ -330,7 +323,7 @@ class LaneAllReduce(_FusedBase):
         check_tensor("norm_weight", norm_weight, dtypes=(self.dtype, torch.float32), device=self.device,
                      ndim=1, shape=(self.width,))
         check_tensor("shared", shared, dtype=self.dtype, device=self.device, ndim=2, shape=(M, self.hidden))
-        self._own_call(tag, M)
+        count_own_call(self.ws, tag, M)
         return self.run(norm_weight=norm_weight, shared=shared, routed=routed, expert_out=expert_out,
                         expert_weights=expert_weights, expanded_idx=expanded_idx, tag=own if tag is None else int(tag))
 

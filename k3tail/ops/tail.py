@@ -48,7 +48,7 @@ from k3tail.runtime.checks import check_routed, check_tensor
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.loopback import group_identity
 from k3tail.runtime.modes import interpret_mode
-from k3tail.ops.fault import CallCounter
+from k3tail.ops.fault import CallCounter, count_own_call
 from k3tail.ops.prefill import shard_bounds
 from k3tail.runtime.workspace import Workspace, create_workspace, local_workspace, resolve_device
 from k3tail.triton_kernels.lamport import CTRL_WORDS
@@ -382,8 +382,7 @@ class LatentTail:
                                and prefix_hidden.dim() else 0)
         self._validate(prefix_hidden, shared, norm_weight, up_weight, routed, expert_out, expert_weights,
                        expanded_idx)
-        if tag is None and self.world_size > 1 and prefix_hidden.shape[0] > 0:  # this op owns the call:
-            self.ws.advance_call()  # count it on the device (an M = 0 call launches nothing: not counted)
+        count_own_call(self.ws, tag, prefix_hidden.shape[0])
         return self.run(prefix_hidden=prefix_hidden, shared=shared, norm_weight=norm_weight, up_weight=up_weight,
                         routed=routed, expert_out=expert_out, expert_weights=expert_weights, expanded_idx=expanded_idx,
                         tag=own if tag is None else int(tag))

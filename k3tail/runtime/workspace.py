@@ -170,6 +170,11 @@ class Workspace:
         ahead = ((word >> CALL_SHIFT) - int(self._call_word.item())) & mask
         return word if ahead == 0 or ahead >= (mask + 1) // 2 else 0
 
+    def fault_so_far(self) -> bool:
+        """Has this rank a fault among its calls so far: the host mirror, or a record of its current
+        call or an earlier one in the fault word (:meth:`fault_word_of_this_call`; a device read)?"""
+        return self.poisoned() or bool(self.fault_word_of_this_call())
+
     def fault_tags(self) -> tuple:
         """``(own tag, tag seen)`` that the detecting kernel of this rank noted (meaningful when the
         record's detecting rank is this rank)."""
@@ -197,7 +202,7 @@ class Workspace:
         host mirror; a peer's record of a later call fails that call, :meth:`fault_word_of_this_call`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.poisoned() or self.fault_word_of_this_call():
+        if self.fault_so_far():
             raise self.error(op, timeout_s, before=True)
 
     def rearm(self) -> None:
