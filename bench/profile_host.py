@@ -1,7 +1,7 @@
 """Where the host time of one eager ``K3MoETail`` call goes (issue 19): cProfile over many eager calls at
 W = 1, K3 shape, enqueued behind a busy GPU (so the host never waits for the device).
 
-    python bench/profile_host.py [--ms 1 1024] [--calls 200] [--top 35]
+    python bench/profile_host.py [--ms 1 1024 8192] [--calls 200] [--top 35]
 
 Prints, per M, the host time per call and the profile's top functions by own time and by cumulative
 time.  A diagnostic, not a benchmark: cProfile's own overhead inflates every Python frame (the
@@ -30,7 +30,7 @@ K3 = dict(hidden=7168, latent=3584, top_k=16)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ms", type=int, nargs="+", default=[1, 1024])
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 1024, 8192])  # issue 30
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
