@@ -242,7 +242,8 @@ def grid(M: int, N: int, t: dict, num_sms: int) -> tuple:
     """1-D grid of a tactic: one program per output tile, or ``min(tiles, num_sms)`` programs
     for a persistent tma config.  Returns ``(programs,)``; the tma kernel also takes the
     program count as its ``num_progs`` argument."""
-    tiles = triton.cdiv(M, t["block_m"]) * triton.cdiv(N, t["block_n"])
+    tiles = -(-M // t["block_m"]) * -(-N // t["block_n"])  # ceil divisions (triton.cdiv is a slower
+    # ConstexprFunction call in Triton 3.9: this runs on every eager launch)
     if t.get("variant") == "tma" and t.get("persistent"):
         return (max(1, min(tiles, num_sms)),)
     return (tiles,)
