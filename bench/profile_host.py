@@ -1,11 +1,16 @@
 """Where the host time of one eager ``K3MoETail`` call goes (issue 19): cProfile over many eager calls at
 W = 1, K3 shape, enqueued behind a busy GPU (so the host never waits for the device).
 
-    python bench/profile_host.py [--ms 1 1024 8192] [--calls 200] [--top 35]
+    python bench/profile_host.py [--ms 1 1024 8192] [--calls 200] [--top 35] [--device cpu]
 
-Prints, per M, the host time per call and the profile's top functions by own time and by cumulative
-time.  A diagnostic, not a benchmark: cProfile's own overhead inflates every Python frame (the
-per-call figure printed first is measured without it).
+Prints, per M, the host time per call, then the split of it measured without a profiler: k3tail's
+own Python (the same calls with every kernel launch stubbed out: ``Variant.__call__`` returns at
+once) and the launches (the rest: ``Variant.__call__`` with Triton's launcher and the driver), then
+the profile's top functions by own time and by cumulative time.  A diagnostic, not a benchmark:
+cProfile's own overhead inflates every Python frame (the figures printed first are measured
+without it).  ``--device cpu`` (no GPU; the kernels would run in the interpreter) reports k3tail's
+own Python alone, for work on the host path without a device; there the index check of the CPU
+tensors runs too, which a GPU call skips.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch  # noqa: E402
 from k3tail import testing as T  # noqa: E402
 from k3tail.config import TailConfig  # noqa: E402
 from k3tail.module import K3MoETail  # noqa: E402
+from k3tail.runtime.launch import Variant  # noqa: E402
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 
@@ -33,22 +39,22 @@ def main():
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 1024, 8192])  # issue 30
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     mod = K3MoETail(TailConfig(max_tokens=max(args.ms), **K3), prefix="bench.profile_host", device=dev)
     for M in args.ms:
         prefix, gamma, up, shared, rt = T.tail_inputs(M=M, W=1, rank=0, form="triple", seed=M, device=dev, **K3)
         ins = dict(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, graph_phase=False, **rt)
-        for _ in range(5):
+        for _ in range(5 if dev.type == "cuda" else 0):  # compile and load (CPU: the interpreter, nothing to warm)
             mod(**ins)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(4e9))  # GPU work ahead of the calls: they only enqueue
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            mod(**ins)
-        host = (time.perf_counter() - t0) / args.calls * 1e6
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(4e9))
+        own, launches = _without_launches(mod, ins, args.calls)
+        if dev.type == "cpu":
+            print(f"== M={M}: k3tail's own Python {own:.1f} us per eager call, launches stubbed ({launches} "
+                  f"launches; {args.calls} calls, plan {mod.plan_for(M, False)})")
+            continue
+        host = _timed(mod, ins, args.calls)
+        _busy()
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
@@ -56,11 +62,52 @@ def main():
         prof.disable()
         torch.cuda.synchronize()
         print(f"== M={M}: host time {host:.1f} us per eager call ({args.calls} calls, plan {mod.plan_for(M, False)})")
+        print(f"   of which k3tail's own Python {own:.1f} us (launches stubbed) and {launches} launches "
+              f"{host - own:.1f} us ({(host - own) / max(launches, 1):.1f} us each)")
         for key in ("tottime", "cumulative"):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
             text = s.getvalue()
             print(text[text.index("ncalls"):] if "ncalls" in text else text)
+
+
+def _busy():
+    """GPU work ahead of the calls, so that they only enqueue (no wait for the device)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(4e9))
+
+
+def _timed(mod, ins, calls: int) -> float:
+    """Host time of one eager call in us (mean over ``calls``, enqueued behind a busy GPU)."""
+    _busy()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        mod(**ins)
+    dt = (time.perf_counter() - t0) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return dt
+
+
+def _without_launches(mod, ins, calls: int):
+    """``(host time per call in us, launches per call)`` with every launch stubbed out."""
+    real = Variant.__call__
+    n = [0]
+
+    def stub(self, grid, *a):
+        n[0] += 1
+
+    Variant.__call__ = stub
+    try:
+        mod(**ins)
+        n[0] = 0
+        mod(**ins)
+        per_call = n[0]
+        dt = _timed(mod, ins, calls)
+    finally:
+        Variant.__call__ = real
+    return dt, per_call
 
 
 if __name__ == "__main__":
