@@ -78,9 +78,11 @@ def _busy():
         torch.cuda._sleep(int(4e9))
 
 
-def _timed(mod, ins, calls: int) -> float:
-    """Host time of one eager call in us (mean over ``calls``, enqueued behind a busy GPU)."""
-    _busy()
+def _timed(mod, ins, calls: int, busy: bool = True) -> float:
+    """Host time of one eager call in us (mean over ``calls``; ``busy``: enqueued behind a busy GPU,
+    which calls that launch nothing do not need)."""
+    if busy:
+        _busy()
     t0 = time.perf_counter()
     for _ in range(calls):
         mod(**ins)
@@ -104,7 +106,7 @@ def _without_launches(mod, ins, calls: int):
         n[0] = 0
         mod(**ins)
         per_call = n[0]
-        dt = _timed(mod, ins, calls)
+        dt = _timed(mod, ins, calls, busy=False)  # nothing is launched: no GPU work to wait behind
     finally:
         Variant.__call__ = real
     return dt, per_call

@@ -804,9 +804,8 @@ def test_tune_writes_the_user_table_by_default_and_says_where(monkeypatch, tmp_p
 def test_profile_host_cpu_mode_splits_the_call():
     """``bench/profile_host.py --device cpu`` (issue 30's tool for the host path without a device): it
     runs, and counts the launches it stubs out (the W = 1 solo path launches finalize and projection)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, os.path.join(root, "bench", "profile_host.py"), "--device", "cpu",
-                        "--ms", "1", "3", "--calls", "3"], capture_output=True, text=True, timeout=300, cwd=root)
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "profile_host.py"), "--device", "cpu",
+                        "--ms", "1", "3", "--calls", "3"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("== M=")]
     assert len(lines) == 2 and all("k3tail's own Python" in ln and "(2 launches;" in ln for ln in lines), p.stdout
