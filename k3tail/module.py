@@ -72,7 +72,6 @@ import dataclasses
 import datetime
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -96,7 +95,7 @@ from k3tail.ops.tail import LatentTail
 from k3tail.runtime.checks import check_routed, check_tensor
 from k3tail.runtime.comm import DEFAULT_TIMEOUT_S, SoloComm, comm_for, current_deadline, host_deadline
 from k3tail.runtime.loopback import LoopbackGroup, group_identity
-from k3tail.runtime.modes import interpret_mode, warm_only, warm_only_active
+from k3tail.runtime.modes import env_flag, interpret_mode, warm_only, warm_only_active
 from k3tail.runtime.workspace import Workspace, create_workspace, resolve_device
 from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, caps_summary, decide,
                           plan_for, select_plan, why_not)
@@ -806,7 +805,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _check_indices() -> bool:
-    return os.environ.get("K3TAIL_CHECK_INDICES", "0") not in ("", "0")
+    return env_flag("K3TAIL_CHECK_INDICES")
 
 
 def _lean(t, dtype, device, shape) -> bool:

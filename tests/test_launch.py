@@ -235,6 +235,56 @@ def test_spec_key_mirrors_tritons_specialization():
                 assert same_native == same_ours, (show(a), show(b), spec, native(a, spec), native(b, spec))
 
 
+def test_variant_signature_splits_where_spec_key_does():
+    """``Variant.signature`` (by position, at C speed: issue 30) must give two argument tuples the same
+    key if and only if their types and :func:`spec_key` of each argument are the same, with the kernel's
+    ``do_not_specialize`` arguments (here an int and a pointer) keeping only what Triton keeps of them.
+    Its launcher arguments are the arguments themselves (CPU tensors stay tensors)."""
+    import itertools
+    import random
+
+    import numpy as np
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n_ns", "p_ns"])
+    def k(p, n, n_ns, p_ns, x, B: tl.constexpr):
+        pass
+
+    kern = L.Kernel(k)
+    if not kern.dns:  # the interpreter's function keeps no do_not_specialize: set what Triton's would
+        kern.dns = frozenset({2, 3})
+    dns = kern.dns
+    assert dns == {2, 3}
+    v = kern.variant(B=4)
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    tens = [buf, buf[1:], buf[8:], buf.float(), buf.float()[4:], torch.nn.Parameter(buf.float(), requires_grad=False)]
+    ints = [0, 1, 2, 16, 17, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 40, 2 ** 63, 2 ** 63 + 16, -(2 ** 31) - 1,
+            np.int64(16)]
+    other = [True, False, 1.5, 0.0, np.float64(2.0), None]
+    pool = [tens + ints[:3] + [None], ints + [1.5, True], ints, tens + [None], tens + ints + other]
+    rng = random.Random(1234)
+    combos = [tuple(rng.choice(p) for p in pool) for _ in range(400)]
+    combos += [(buf, 16, 3, buf, x) for x in ints + other + tens]  # one position through every kind
+
+    def slow(args):
+        return tuple((type(a), L.spec_key(a, i not in dns)) for i, a in enumerate(args))
+
+    keys = {}
+    for args in combos:
+        key, argv = v.signature(args)
+        assert len(argv) == len(args) and all(x is a for x, a in zip(argv, args))
+        keys.setdefault(key, set()).add(slow(args))
+    assert all(len(s) == 1 for s in keys.values()), "one key, several Triton specializations"
+    by_slow = {}
+    for key, s in keys.items():
+        by_slow.setdefault(next(iter(s)), set()).add(key)
+    assert all(len(s) == 1 for s in by_slow.values()), "one Triton specialization, several keys"
+    assert len(keys) > 100
+    for a, b in itertools.combinations([(buf, 16, 3, buf[1:], 0), (buf, 16, 3, buf[8:], 0)], 2):
+        assert v.signature(a)[0] == v.signature(b)[0]  # p_ns: its alignment does not split
+
+
 def test_variant_fills_constexprs_in_declared_order(monkeypatch):
     """A Variant passes the runtime arguments then the constexprs in the kernel's declared order (what
     ``CompiledKernel.run`` takes), and refuses a launch that leaves a constexpr without a value."""
@@ -282,13 +332,20 @@ def test_launch_hooks_detected_only_when_installed():
 
 
 def test_triton_dispatch_switch(monkeypatch):
-    """``K3TAIL_TRITON_DISPATCH=1`` sends launches through Triton's dispatcher; unset or 0, the direct path."""
+    """``K3TAIL_TRITON_DISPATCH=1`` sends launches through Triton's dispatcher; unset or 0, the direct path.
+    The switch is read once per process (``modes.env_flag``): a change takes effect after ``reread_env``."""
+    from k3tail.runtime import modes
+
+    monkeypatch.setattr(modes, "_flags", {})
     monkeypatch.delenv(L.ENV_TRITON_DISPATCH, raising=False)
     assert not L.generic_dispatch()
-    monkeypatch.setenv(L.ENV_TRITON_DISPATCH, "0")
-    assert not L.generic_dispatch()
     monkeypatch.setenv(L.ENV_TRITON_DISPATCH, "1")
-    assert L.generic_dispatch()
+    assert not L.generic_dispatch()  # read once: the change is not seen ...
+    modes.reread_env()
+    assert L.generic_dispatch()  # ... until the switches are read again
+    monkeypatch.setenv(L.ENV_TRITON_DISPATCH, "0")
+    modes.reread_env()
+    assert not L.generic_dispatch()
 
 
 @pytest.mark.gpu

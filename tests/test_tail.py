@@ -354,6 +354,9 @@ def _gpu_inputs(case, W):
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("W", [2, 4, 8])
 def test_tail_gpu_loopback(W, pdl, monkeypatch):
+    from k3tail.runtime import modes
+
+    monkeypatch.setattr(modes, "_flags", {})  # the switch is read once per process: read it again here
     if pdl:
         monkeypatch.delenv("K3TAIL_DISABLE_PDL", raising=False)
     else:

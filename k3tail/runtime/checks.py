@@ -9,12 +9,12 @@ is written.  One validator per input contract:
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from k3tail.config import MAX_TOP_K, WEIGHT_DTYPES
+from k3tail.runtime.modes import env_flag
 
 
 def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torch.device] = None,
@@ -56,7 +56,7 @@ def check_indices(idx: torch.Tensor, rows: int, name: str = "expanded_idx") -> N
     only with ``K3TAIL_CHECK_INDICES=1`` and outside graph capture (a debug mode: it syncs)."""
     if idx.numel() == 0:
         return
-    if idx.device.type == "cuda" and (os.environ.get("K3TAIL_CHECK_INDICES", "0") in ("", "0")
+    if idx.device.type == "cuda" and (not env_flag("K3TAIL_CHECK_INDICES")
                                       or torch.cuda.is_current_stream_capturing()):
         return
     lo, hi = int(idx.min()), int(idx.max())

@@ -38,6 +38,7 @@ spinning kernels, the interpreter's clock page) and the check after an interpret
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import threading
 from typing import Callable, Dict, Optional, Sequence
@@ -46,7 +47,7 @@ import torch
 
 from k3tail.runtime.clock import clock_page
 from k3tail.runtime.loopback import LoopbackGroup
-from k3tail.runtime.modes import interpret_mode, warm_only_active
+from k3tail.runtime.modes import env_flag, interpret_mode, warm_only_active
 from k3tail.runtime.workspace import Workspace
 
 _I32 = (-(2 ** 31), 2 ** 31 - 1)
@@ -65,6 +66,26 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _int_class(v: int) -> int:
+    """Triton's width class of an int argument: 0 i32, 1 i64, 2 u64 (the part of :func:`spec_key` that
+    a ``do_not_specialize`` int keeps)."""
+    return 0 if _I32[0] <= v <= _I32[1] else (2 if 2 ** 63 <= v <= 2 ** 64 - 1 else 1)
+
+
+def _getter(pos: tuple) -> Callable[[tuple], tuple]:
+    """``args -> tuple(args[i] for i in pos)`` at C speed (``itemgetter`` of one index returns the
+    item itself, not a 1-tuple)."""
+    if len(pos) == 1:
+        i = pos[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*pos)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_IS_CUDA = operator.attrgetter("is_cuda")
+
+
 def spec_key(arg, specialize: bool):
     """What Triton 3.6-3.9 specialize a kernel on for one runtime argument (see the module docstring)."""
     if isinstance(arg, torch.Tensor):
@@ -74,7 +95,7 @@ def spec_key(arg, specialize: bool):
     if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a host TMA descriptor: its dtype and box
         return (type(arg), arg.base.dtype, tuple(arg.block_shape))
     if isinstance(arg, int):
-        cls = 0 if _I32[0] <= arg <= _I32[1] else (2 if 2 ** 63 <= arg <= 2 ** 64 - 1 else 1)
+        cls = _int_class(arg)
         if not specialize:
             return cls
         return (cls, arg == 1, arg % 16 == 0)
@@ -99,10 +120,10 @@ ENV_TRITON_DISPATCH = "K3TAIL_TRITON_DISPATCH"  # "1": every launch through Trit
 
 def generic_dispatch() -> bool:
     """Do launches take Triton's own path (``kernel[grid](...)``)?  When a launch hook is installed
-    (:func:`launch_hooks_installed`), or when ``K3TAIL_TRITON_DISPATCH=1`` asks for it: the escape
-    hatch should a Triton release change what :meth:`Variant.__call__` relies on (read per launch,
-    so a process can switch it at any time; the bits do not change, only the host time)."""
-    return launch_hooks_installed() or os.environ.get(ENV_TRITON_DISPATCH, "0") not in ("", "0")
+    (:func:`launch_hooks_installed`, checked per launch), or when ``K3TAIL_TRITON_DISPATCH=1`` asks for
+    it: the escape hatch should a Triton release change what :meth:`Variant.__call__` relies on (read
+    once per process, :func:`k3tail.runtime.modes.env_flag`; the bits do not change, only the host time)."""
+    return launch_hooks_installed() or env_flag(ENV_TRITON_DISPATCH)
 
 
 def launch_hooks_installed() -> bool:
@@ -123,6 +144,7 @@ class Variant:
         self._compiled: Dict[tuple, object] = {}
         self._tail: Optional[tuple] = None  # the constexpr values after the runtime args, in declared order
         self._nargs = -1
+        self._layouts: Dict[tuple, tuple] = {}  # argument types -> positions of each kind (signature)
         self._lock = threading.Lock()
 
     def _tail_for(self, nargs: int) -> tuple:
@@ -140,20 +162,7 @@ class Variant:
             return k.fn[tuple(grid)](*args, **self.constexprs, **self.options)
         if len(args) != self._nargs:
             self._tail, self._nargs = self._tail_for(len(args)), len(args)
-        dns = k.dns
-        sig = []
-        argv = []
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                p = a.data_ptr()
-                sig.append((a.dtype, i not in dns and p % 16 == 0))
-                # A device address as an int: Triton's launcher then skips its per-pointer driver query
-                # (cuPointerGetAttribute); host tensors (pinned flags) keep Triton's own translation.
-                argv.append(p if a.is_cuda else a)
-            else:
-                sig.append(spec_key(a, i not in dns))
-                argv.append(a)
-        sig = tuple(sig)
+        sig, argv = self.signature(args)
         c = self._compiled.get(sig)
         if c is None:
             c = self._compile(sig, grid, args)
@@ -167,6 +176,60 @@ class Variant:
         stream = k.current_stream(k.current_device())
         c.run(g0, g1, g2, stream, c.function, c.packed_metadata, None, None, None, *argv, *self._tail)
         return None
+
+    def signature(self, args: tuple) -> tuple:
+        """``(key, argv)``: the key of the compiled kernel these runtime ``args`` select (two calls get
+        the same key if and only if :func:`spec_key` of each argument and its type are the same, which
+        is where Triton compiles a new variant), and the arguments as the launcher takes them (a CUDA
+        tensor as its address, an int: Triton's launcher then skips its per-pointer driver query;
+        host tensors such as pinned flags keep Triton's own translation).
+
+        The host cost of a launch is mostly this (issue 30), so it is computed by position: the
+        positions of each kind are fixed per tuple of argument types (:meth:`_layout`, cached), and
+        each kind is read with C-level ``map`` / ``itemgetter`` instead of a per-argument branch."""
+        types = tuple(map(type, args))
+        lay = self._layouts.get(types)
+        if lay is None:
+            lay = self._layout(types)
+        tget, tpos, tspec, iget, idns, oget, ospec = lay
+        key = [types]
+        argv = args
+        if tpos:
+            tens = tget(args)
+            ptrs = list(map(_DATA_PTR, tens))
+            key.append(tuple(map(_DTYPE, tens)))
+            key.append(tuple([tspec[j] and not p & 15 for j, p in enumerate(ptrs)]))
+            argv = list(args)
+            for i, p, on_gpu in zip(tpos, ptrs, map(_IS_CUDA, tens)):
+                if on_gpu:
+                    argv[i] = p
+        if iget is not None:
+            # _int_class inlined (a call per int would cost more than the rest of the key)
+            key.append(tuple([
+                (0 if -2147483648 <= v <= 2147483647 else 2 if 9223372036854775808 <= v <= 18446744073709551615
+                 else 1) if dns else
+                (0 if -2147483648 <= v <= 2147483647 else 2 if 9223372036854775808 <= v <= 18446744073709551615
+                 else 1, v == 1, not v & 15) for v, dns in zip(iget(args), idns)]))
+        if oget is not None:
+            key.append(tuple([spec_key(a, s) for a, s in zip(oget(args), ospec)]))
+        return tuple(key), argv
+
+    def _layout(self, types: tuple) -> tuple:
+        """The positions of each kind of argument for one tuple of argument types: tensors (with
+        whether each is specialized on its alignment), plain ints (whether each is
+        ``do_not_specialize``), and the rest that :func:`spec_key` reads per call (host TMA
+        descriptors, int subclasses).  A bool, a float and None specialize on their type alone,
+        which ``types`` holds."""
+        dns = self.kernel.dns
+        tpos = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
+        ipos = tuple(i for i, t in enumerate(types) if t is int)
+        opos = tuple(i for i, t in enumerate(types)
+                     if i not in tpos and i not in ipos and t not in (bool, float, type(None)))
+        lay = (_getter(tpos) if tpos else None, tpos, tuple(i not in dns for i in tpos),
+               _getter(ipos) if ipos else None, tuple(i in dns for i in ipos),
+               _getter(opos) if opos else None, tuple(i not in dns for i in opos))
+        with self._lock:
+            return self._layouts.setdefault(types, lay)
 
     def _compile(self, sig, grid, args):
         with self._lock:
@@ -243,7 +306,7 @@ _sms_cache: Dict[torch.device, int] = {}
 
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, not the interpreter, not disabled."""
-    if interpret_mode() or device.type != "cuda" or os.environ.get("K3TAIL_DISABLE_PDL", "0") not in ("", "0"):
+    if interpret_mode() or device.type != "cuda" or env_flag("K3TAIL_DISABLE_PDL"):
         return False
     v = _pdl_cache.get(device)
     if v is None:

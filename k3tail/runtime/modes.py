@@ -1,6 +1,7 @@
 """Process-wide run modes every layer reads (a leaf module: it imports nothing of k3tail).
 
 * :func:`interpret_mode`: Triton kernels run in the interpreter (CPU ranks);
+* :func:`env_flag`: an environment switch, read once per process;
 * :func:`warm_only`: inside it, ``_launch.launch`` compiles and loads kernels but launches
   nothing (``LoopbackWorld.run``'s warm pass); :func:`warm_only_active` reads it.
 """
@@ -15,9 +16,30 @@ import threading
 state = threading.local()
 
 
+_flags: dict = {}  # environment switches, read once per process (:func:`env_flag`)
+
+
+def env_flag(name: str) -> bool:
+    """Is the environment switch ``name`` on (set and not ``""`` / ``"0"``)?  Read on first use and
+    kept: every eager call asks several of these, and an ``os.environ`` read costs about 1 us of host
+    time (issue 30).  :func:`reread_env` forgets what was read (tests; a process that changes a
+    switch after its first call)."""
+    v = _flags.get(name)
+    if v is None:
+        v = _flags[name] = os.environ.get(name, "0") not in ("", "0")
+    return v
+
+
+def reread_env() -> None:
+    """Read the environment switches again at their next use (:func:`env_flag`)."""
+    _flags.clear()
+
+
 def interpret_mode() -> bool:
-    """True when Triton kernels run in the interpreter (CPU ranks)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the interpreter (CPU ranks): ``TRITON_INTERPRET``, read once
+    (Triton itself decides it when it decorates a kernel, at import: a later change of the variable
+    would not change how the kernels run)."""
+    return env_flag("TRITON_INTERPRET")
 
 
 @contextlib.contextmanager

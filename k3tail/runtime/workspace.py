@@ -135,6 +135,7 @@ class Workspace:
         self.fault_blk = self.ctrl
         self.fault_owner: "Workspace" = self
         self._call_word = self.ctrl[CTRL_CALL:CTRL_CALL + 1]
+        self._mirror = self.host_flag.numpy()  # the same (pinned) host memory: a read without torch's dispatch
 
     def bind_fault(self, owner: "Workspace") -> None:
         """Check and post faults in ``owner``'s fault block (a group's shared one) instead of
@@ -142,6 +143,7 @@ class Workspace:
         if owner.world_size != self.world_size or owner.device != self.device:
             raise K3TailError("bind_fault: the fault block must belong to the same group and device")
         self.fault_blk, self.ftab, self.host_flag = owner.ctrl, owner.ftab, owner.host_flag
+        self._mirror = owner._mirror
         self.fault_owner = owner
         self._call_word = owner._call_word
 
@@ -152,8 +154,9 @@ class Workspace:
         self._call_word.add_(1)
 
     def poisoned(self) -> bool:
-        """Has a fault been seen here?  Reads the host mirror: never syncs."""
-        return bool(self.host_flag[0].item() != 0)
+        """Has a fault been seen here?  Reads the host mirror: never syncs (through a numpy view of the
+        host flag's memory, 0.1 us against 2 us for ``host_flag[0].item()``: every eager call reads it)."""
+        return bool(self._mirror[0])
 
     def fault_word(self) -> int:
         """The fault word (packed record; 0 = healthy) of the fault block (a device read: syncs)."""
