@@ -9,8 +9,10 @@ once) and the launches (the rest: ``Variant.__call__`` with Triton's launcher an
 the profile's top functions by own time and by cumulative time.  A diagnostic, not a benchmark:
 cProfile's own overhead inflates every Python frame (the figures printed first are measured
 without it).  ``--device cpu`` (no GPU; the kernels would run in the interpreter) reports k3tail's
-own Python alone, for work on the host path without a device; there the index check of the CPU
-tensors runs too, which a GPU call skips.
+own Python alone, then with each launch prepared as on a GPU (Triton's launcher a no-op) and the
+number of Python function calls per eager call (steady where timings on a shared CPU are not), for
+work on the host path without a device; there the index check of the CPU tensors runs too, which a
+GPU call skips.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ def main():
             mod(**ins)
         own, launches = _without_launches(mod, ins, args.calls)
         if dev.type == "cpu":
+            prep, ncalls = _launch_prep(mod, ins, args.calls)
             print(f"== M={M}: k3tail's own Python {own:.1f} us per eager call, launches stubbed ({launches} "
-                  f"launches; {args.calls} calls, plan {mod.plan_for(M, False)})")
+                  f"launches; {args.calls} calls, plan {mod.plan_for(M, False)}); with the launches prepared as "
+                  f"on a GPU (signature, compiled-kernel lookup; Triton's launcher a no-op) {prep:.1f} us, "
+                  f"{ncalls:.0f} Python calls per eager call")
             continue
         host = _timed(mod, ins, args.calls)
         _busy()
@@ -110,6 +115,39 @@ def _without_launches(mod, ins, calls: int):
     finally:
         Variant.__call__ = real
     return dt, per_call
+
+
+def _launch_prep(mod, ins, calls: int):
+    """CPU only: ``(host time per call in us, Python function calls per call)`` with each launch prepared
+    as on a GPU (``Variant.__call__`` out of interpreter mode: the signature, the compiled-kernel lookup)
+    but Triton's launcher a no-op.  The call count (cProfile's) is the figure to compare on a noisy
+    machine: it does not vary from run to run."""
+    import types
+
+    from k3tail.runtime import launch as L
+
+    fake = types.SimpleNamespace(run=lambda *a: None, function=None, packed_metadata=None)
+    saved = (L.interpret_mode, L.Variant._compile, L.Kernel.current_device, L.Kernel.current_stream)
+    L.interpret_mode = lambda: False
+    L.Variant._compile = lambda self, sig, grid, args: self._compiled.setdefault(sig, fake)
+    L.Kernel.current_device = lambda self: 0
+    L.Kernel.current_stream = lambda self, device: 0
+    compiled = {id(v): dict(v._compiled) for k in L._kernels.values() for v in k._variants.values()}
+    try:
+        mod(**ins)
+        dt = _timed(mod, ins, calls, busy=False)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            mod(**ins)
+        prof.disable()
+        ncalls = pstats.Stats(prof).total_calls / calls
+    finally:
+        L.interpret_mode, L.Variant._compile, L.Kernel.current_device, L.Kernel.current_stream = saved
+        for k in L._kernels.values():  # forget the fake compiled kernels
+            for v in k._variants.values():
+                v._compiled = compiled.get(id(v), {})
+    return dt, ncalls
 
 
 if __name__ == "__main__":

@@ -809,3 +809,4 @@ def test_profile_host_cpu_mode_splits_the_call():
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("== M=")]
     assert len(lines) == 2 and all("k3tail's own Python" in ln and "(2 launches;" in ln for ln in lines), p.stdout
+    assert all("prepared as on a GPU" in ln and "Python calls per eager call" in ln for ln in lines), p.stdout
