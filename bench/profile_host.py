@@ -3,16 +3,16 @@ W = 1, K3 shape, enqueued behind a busy GPU (so the host never waits for the dev
 
     python bench/profile_host.py [--ms 1 1024 8192] [--calls 200] [--top 35] [--device cpu]
 
-Prints, per M, the host time per call, then the split of it measured without a profiler: k3tail's
-own Python (the same calls with every kernel launch stubbed out: ``Variant.__call__`` returns at
-once) and the launches (the rest: ``Variant.__call__`` with Triton's launcher and the driver), then
-the profile's top functions by own time and by cumulative time.  A diagnostic, not a benchmark:
-cProfile's own overhead inflates every Python frame (the figures printed first are measured
-without it).  ``--device cpu`` (no GPU; the kernels would run in the interpreter) reports k3tail's
-own Python alone, then with each launch prepared as on a GPU (Triton's launcher a no-op) and the
-number of Python function calls per eager call (steady where timings on a shared CPU are not), for
-work on the host path without a device; there the index check of the CPU tensors runs too, which a
-GPU call skips.
+Prints, per M, the host time per call (the median over the calls, each timed alone), then the
+split of it measured without a profiler: k3tail's own Python (the same calls with every kernel
+launch stubbed out: ``Variant.__call__`` returns at once) and the launches (the rest:
+``Variant.__call__`` with Triton's launcher and the driver), then the profile's top functions by
+own time and by cumulative time.  A diagnostic, not a benchmark: cProfile's own overhead inflates
+every Python frame (the figures printed first are measured without it).  ``--device cpu`` (no GPU;
+the kernels would run in the interpreter) reports k3tail's own Python alone, then with each launch
+prepared as on a GPU (Triton's launcher a no-op) and the number of Python function calls per eager
+call (steady where timings on a shared CPU are not), for work on the host path without a device;
+there the index check of the CPU tensors runs too, which a GPU call skips.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 from k3tail.testing import no_multicast
@@ -84,17 +85,21 @@ def _busy():
 
 
 def _timed(mod, ins, calls: int, busy: bool = True) -> float:
-    """Host time of one eager call in us (mean over ``calls``; ``busy``: enqueued behind a busy GPU,
-    which calls that launch nothing do not need)."""
+    """Host time of one eager call in us: the median over ``calls`` calls, each timed alone (a shared VM
+    host stalls now and then; a mean over the calls moved 2x between two runs of one commit on the same
+    machine, the median does not take the stalls in).  ``busy``: enqueued behind a busy GPU, which calls
+    that launch nothing do not need."""
     if busy:
         _busy()
-    t0 = time.perf_counter()
+    clock = time.perf_counter_ns
+    times = []
     for _ in range(calls):
+        t0 = clock()
         mod(**ins)
-    dt = (time.perf_counter() - t0) / calls * 1e6
+        times.append(clock() - t0)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return dt
+    return statistics.median(times) / 1e3
 
 
 def _without_launches(mod, ins, calls: int):
