@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from k3tail import testing as T  # noqa: E402
 from k3tail.config import TailConfig  # noqa: E402
 from k3tail.module import K3MoETail  # noqa: E402
-from k3tail.runtime.launch import Variant  # noqa: E402
+from k3tail.runtime import launch as L  # noqa: E402
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 
@@ -104,13 +104,13 @@ def _timed(mod, ins, calls: int, busy: bool = True) -> float:
 
 def _without_launches(mod, ins, calls: int):
     """``(host time per call in us, launches per call)`` with every launch stubbed out."""
-    real = Variant.__call__
+    real = L.Variant.__call__
     n = [0]
 
     def stub(self, grid, *a):
         n[0] += 1
 
-    Variant.__call__ = stub
+    L.Variant.__call__ = stub
     try:
         mod(**ins)
         n[0] = 0
@@ -118,7 +118,7 @@ def _without_launches(mod, ins, calls: int):
         per_call = n[0]
         dt = _timed(mod, ins, calls, busy=False)  # nothing is launched: no GPU work to wait behind
     finally:
-        Variant.__call__ = real
+        L.Variant.__call__ = real
     return dt, per_call
 
 
@@ -128,8 +128,6 @@ def _launch_prep(mod, ins, calls: int):
     but Triton's launcher a no-op.  The call count (cProfile's) is the figure to compare on a noisy
     machine: it does not vary from run to run."""
     import types
-
-    from k3tail.runtime import launch as L
 
     fake = types.SimpleNamespace(run=lambda *a: None, function=None, packed_metadata=None)
     saved = (L.interpret_mode, L.Variant._compile, L.Kernel.current_device, L.Kernel.current_stream)

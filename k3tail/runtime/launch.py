@@ -204,12 +204,11 @@ class Variant:
                 if on_gpu:
                     argv[i] = p
         if iget is not None:
-            # _int_class inlined (a call per int would cost more than the rest of the key)
-            key.append(tuple([
-                (0 if -2147483648 <= v <= 2147483647 else 2 if 9223372036854775808 <= v <= 18446744073709551615
-                 else 1) if dns else
-                (0 if -2147483648 <= v <= 2147483647 else 2 if 9223372036854775808 <= v <= 18446744073709551615
-                 else 1, v == 1, not v & 15) for v, dns in zip(iget(args), idns)]))
+            ints = iget(args)
+            # _int_class, inlined once (a call per int would cost more than the rest of the key)
+            cls = [0 if -2147483648 <= v <= 2147483647 else 2 if 9223372036854775808 <= v <= 18446744073709551615
+                   else 1 for v in ints]
+            key.append(tuple([c if dns else (c, v == 1, not v & 15) for v, c, dns in zip(ints, cls, idns)]))
         if oget is not None:
             key.append(tuple([spec_key(a, s) for a, s in zip(oget(args), ospec)]))
         return tuple(key), argv
