@@ -513,6 +513,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=None, help="stop timing after this many seconds in all")
     ap.add_argument("--candidates", default="", help="comma-separated subset of gemm.CANDIDATES")
     ap.add_argument("--workers", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)))
+    ap.add_argument("--name", default=None, help="basename of the JSON under --out (default: gemm_<device>)")
     args = ap.parse_args()
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -538,7 +539,7 @@ def main():
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "_", m["device"].lower()).strip("_")
-    path = out_dir / f"gemm_{slug}.json"
+    path = out_dir / f"{args.name or 'gemm_' + slug}.json"
 
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))

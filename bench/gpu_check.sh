@@ -5,7 +5,8 @@
 #   bash bench/gpu_check.sh tests            # every GPU test (phases t1 t2 t3 below, in order)
 #   bash bench/gpu_check.sh t1 prefill       # named phases: t1 t2 t3 (the GPU tests in three parts),
 #                                            # prefill, bench, tiermap, tune, cli, pairing, sweep, invariance,
-#                                            # w8 (loopback W = 8 latency vs bench_tail.json), profile
+#                                            # w8 (loopback W = 8 latency vs bench_tail.json), profile,
+#                                            # gemm, numerics (issue 29)
 #   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
 #   commit being measured, or the result files record the wrong one)
 #
@@ -50,7 +51,7 @@ for phase in $phases; do
     only) run_tests only $TESTS ;;
     bench)
       for b in ${BENCHES:-bench_allreduce bench_finalize bench_tail}; do
-        echo "== $b"; timeout ${BENCH_TIMEOUT:-200} python3 bench/$b.py --out bench/results 2>&1 | tee -a "$OUT/bench.log" | tail -25
+        echo "== $b"; timeout ${BENCH_TIMEOUT:-200} python3 bench/$b.py --out bench/results ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -25
       done ;;
     prefill)
       echo "== bench_prefill"; timeout ${PREFILL_TIMEOUT:-300} python3 bench/bench_prefill.py --out bench/results ${PREFILL_ARGS:-} 2>&1 | tee -a "$OUT/prefill.log" | grep -v "^ *$" | tail -40 ;;
@@ -68,6 +69,12 @@ for phase in $phases; do
       echo "== bench_tail loopback"; timeout ${W8_TIMEOUT:-120} python3 bench/bench_tail.py --skip-kernel-b \
         --name bench_tail_w8_${K3TAIL_COMMIT:-head} --baseline bench/results/bench_tail.json --out bench/results 2>&1 \
         | tee -a "$OUT/w8.log" | grep -E "loopback|vs |wrote|failed" ;;
+    gemm)  # issue 29: the GEMM family (and kernel B) against cuBLAS, bit-classes of every candidate
+      echo "== bench_gemm"; timeout ${GEMM_TIMEOUT:-300} python3 bench/bench_gemm.py --quick --out bench/results \
+        --name gemm_${K3TAIL_COMMIT:-head} ${GEMM_ARGS:-} 2>&1 | tee -a "$OUT/gemm.log" | tail -60 ;;
+    numerics)  # issue 29 item 2: the tree against the single chain, the real GEMM on this GPU, vs fp64
+      echo "== tree_numerics"; timeout ${NUMERICS_TIMEOUT:-200} python3 bench/tree_numerics.py --device cuda \
+        --out bench/results/tree_numerics_${K3TAIL_COMMIT:-head}.json 2>&1 | tee -a "$OUT/numerics.log" | tail -50 ;;
     profile)  # issue 19: where one eager call's host time goes
       echo "== profile_host"; timeout ${PROFILE_TIMEOUT:-90} python3 bench/profile_host.py > "$OUT/profile_host.log" 2>&1
       grep -E "^== M" "$OUT/profile_host.log" ;;

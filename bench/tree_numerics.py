@@ -28,6 +28,16 @@ Metrics per variant, against the fp64 product ``ref`` (all seeds of a shape pool
     fraction of outputs that differ from the correctly rounded bf16 of ref, signed bias in bf16 ulps.
 
     python bench/tree_numerics.py --out bench/results/tree_numerics_cpu.json [--quick] [--plot PNG]
+
+``--device cuda`` (issue 29 item 2, the device numbers): "chain" and "tree" are then the REAL projection GEMM
+(``triton_kernels/gemm.py``, fp32 out, no epilogue, the decode tactic ``gemm.default_tactics(M)``) launched
+once with ``TREE_S = 1`` (the single chain of every K tile, the form before issue 29; a bench-only override,
+no tactic reaches it) and once with ``TREE_S = gemm.tree_chunks(K)`` (the tree every tier runs).  The CPU
+emulation's bits are compared with the device's (how far the emulation models the tensor core), and the
+device tree is re-run with the large-M tactic and must give the same bits (the tree does not depend on
+the tile).
+
+    python bench/tree_numerics.py --device cuda --out bench/results/tree_numerics_<gpu>.json
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import torch
 
 from k3tail import reference
 from k3tail import testing as T
+from k3tail.runtime import modes
 from k3tail.tools.bench_results import jsonable, pyplot, results_meta, save_figure
 from k3tail.triton_kernels.gemm import tree_chunks
 
@@ -147,17 +158,50 @@ def bf16_metrics(acc: torch.Tensor, ref: torch.Tensor, cr: torch.Tensor) -> dict
             "excess_bias_ulp": float(x.mean()), "excess_bias_ulp_se": float(x.std() / math.sqrt(n))}
 
 
-def run_shape(M: int, N: int, K: int, seeds, neg_zeros: bool) -> dict:
+def device_gemm(normed: torch.Tensor, w: torch.Tensor, tree_s: int, tactic: dict, device: str) -> torch.Tensor:
+    """The projection GEMM of ``triton_kernels/gemm.py`` on ``device``: fp32 out (no epilogue, no rounding
+    after the accumulator), the reduction tree's shape forced to ``tree_s`` chunks (1: the single chain
+    of the form before issue 29).  Returns the fp32 accumulator on the CPU."""
+    from k3tail.triton_kernels import gemm as G
+
+    device = "cpu" if device == "interp" else device
+    a, b = normed.to(device), w.to(device)
+    out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=torch.float32, device=device)  # poisoned
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    kernel, g, args, kw = G.gemm_launch(tactic, a, b, out, num_sms=num_sms)
+    kw["TREE_S"] = tree_s
+    kernel[g](*args, **kw)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    res = out.cpu()
+    assert not res.isnan().any(), "the GEMM left outputs unwritten"
+    return res
+
+
+def run_shape(M: int, N: int, K: int, seeds, neg_zeros: bool, device: str = "cpu") -> dict:
     S = tree_chunks(K)
     K_pad = -(-K // BLOCK_K) * BLOCK_K
     accs = {v: [] for v in VARIANTS}
+    emul = {"chain": [], "tree": []}
+    tree_other_tile = []
     refs = []
+    if device != "cpu":
+        from k3tail.triton_kernels import gemm as G
+
+        small, large = G.default_tactics(M), G.default_tactics(1 << 20)
     for seed in seeds:
         normed, w = draw(M, N, K, seed, neg_zeros)
         refs.append(reference.project(normed, w))
         sums = step_sums(normed, w, K_pad)
-        accs["chain"].append(chain(sums))
-        accs["tree"].append(tree(sums, S))
+        emul["chain"].append(chain(sums))
+        emul["tree"].append(tree(sums, S))
+        if device == "cpu":
+            accs["chain"].append(emul["chain"][-1])
+            accs["tree"].append(emul["tree"][-1])
+        else:
+            accs["chain"].append(device_gemm(normed, w, 1, small, device))
+            accs["tree"].append(device_gemm(normed, w, S, small, device))
+            tree_other_tile.append(device_gemm(normed, w, S, large, device))
         # project_tree wants whole tiles: the zero padding changes no partial
         pad = torch.nn.functional.pad
         accs["tree_exact_chunks"].append(reference.project_tree(pad(normed, (0, K_pad - K)),
@@ -175,6 +219,17 @@ def run_shape(M: int, N: int, K: int, seeds, neg_zeros: bool) -> dict:
                         for v in VARIANTS}}
     cb, tb = acc["chain"].to(torch.bfloat16), acc["tree"].to(torch.bfloat16)
     res["frac_bf16_tree_ne_chain"] = float((cb != tb).double().mean())
+    if device != "cpu":
+        res["device"] = {
+            "tactic_chain_and_tree": small, "tactic_tree_recheck": large,
+            # the tree's bits do not depend on the tile: the large-M tactic must give the decode tactic's bits
+            "tree_bits_same_with_large_tile": bool(torch.equal(torch.cat([a.flatten() for a in tree_other_tile])
+                                                               .view(torch.int32),
+                                                               acc["tree"].view(torch.int32))),
+            # how far the CPU emulation models the tensor core: the fraction of fp32 outputs with other bits
+            "frac_fp32_device_ne_emulation": {
+                v: float((torch.cat([e.flatten() for e in emul[v]]) != acc[v]).double().mean())
+                for v in ("chain", "tree")}}
     res["frac_fp32_tree_ne_chain"] = float((acc["chain"] != acc["tree"]).double().mean())
     b, a = res["variants"]["chain"], res["variants"]["tree"]
 
@@ -247,7 +302,7 @@ def print_table(shapes) -> None:
     print()
 
 
-def plot(shapes, path) -> None:
+def plot(shapes, path, title=None) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -277,7 +332,7 @@ def plot(shapes, path) -> None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.2)
         ax.legend(fontsize=8, ncol=3, loc="upper center")
-    fig.suptitle("CPU emulation of the accumulation order (k16 steps rounded to fp32; tensor-core "
+    fig.suptitle(title or "CPU emulation of the accumulation order (k16 steps rounded to fp32; tensor-core "
                  "internals approximated) -- not device numbers", fontsize=10)
     save_figure(plt, fig, path, dpi=110)
     print(f"wrote {path}")
@@ -293,7 +348,15 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=16, help="number of seeds per shape")
     p.add_argument("--no-neg-zeros", action="store_true", help="no -0.0 entries in the inputs")
     p.add_argument("--quick", action="store_true", help="N=896 only, 2 seeds")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "interp"),
+                   help="cuda: chain and tree from the real Triton GEMM on the GPU; interp: the same launches in "
+                        "Triton's interpreter (CPU: the control flow, numpy products); default: the CPU emulation")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU")
+    if args.device == "interp" and not modes.interpret_mode():
+        p.error("--device interp needs TRITON_INTERPRET=1")
+    on_gpu = args.device != "cpu"
 
     ns = args.n or ([K3_SHARDS[8]] if args.quick else [K3_SHARDS[w] for w in (8, 4, 1)])
     seeds = list(range(2 if args.quick else args.seeds))
@@ -302,19 +365,36 @@ def main(argv=None) -> int:
     shapes = []
     for N in ns:
         t = time.time()
-        shapes.append(run_shape(args.m, N, args.k, seeds, not args.no_neg_zeros))
+        shapes.append(run_shape(args.m, N, args.k, seeds, not args.no_neg_zeros, args.device))
         print(f"N={N}: {time.time() - t:.1f} s", file=sys.stderr)
     print()
+    gpu_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "the CPU (Triton interpreter)"
+    how = ("the Triton GEMM on " + gpu_name + ", TREE_S = 1 vs tree_chunks(K)" if on_gpu
+           else "CPU emulation: k16 step sums rounded to fp32, fp32 adds")
     print(f"K={args.k}, M={args.m}, tree_chunks={tree_chunks(args.k)}, seeds={seeds}; errors vs the fp64 product "
-          f"(CPU emulation: k16 step sums rounded to fp32, fp32 adds)")
+          f"({how})")
     print()
     print_table(shapes)
+    if on_gpu:
+        for r in shapes:
+            d = r["device"]
+            print(f"N={r['N']}: device tree bits with the large-M tile {d['tactic_tree_recheck']['block_m']}x"
+                  f"{d['tactic_tree_recheck']['block_n']} == decode tile: {d['tree_bits_same_with_large_tile']}; "
+                  f"fp32 outputs device != CPU emulation: "
+                  f"chain {100 * d['frac_fp32_device_ne_emulation']['chain']:.2f}%, "
+                  f"tree {100 * d['frac_fp32_device_ne_emulation']['tree']:.2f}%")
 
     meta = results_meta()
-    meta.update(device="cpu emulation", gpus=0, sm=None, cuda=None)
+    if args.device != "cuda":
+        meta.update(device="cpu emulation" if not on_gpu else "cpu (Triton interpreter)", gpus=0, sm=None,
+                    cuda=None)
     payload = {
         "meta": meta,
-        "what": "CPU emulation of the projection GEMM's fp32 accumulation order, BEFORE (one chain of k16 "
+        "what": ("DEVICE numbers: chain = the projection GEMM (triton_kernels/gemm.py, fp32 out, decode tactic) "
+                 "with TREE_S = 1 (one chain of every K tile: the form before issue 29), tree = the same GEMM "
+                 "with TREE_S = tree_chunks(K) (the tree every tier runs), on " + meta.get("device", "the GPU")
+                 + "; tree_exact_chunks from the CPU reference.") if on_gpu else
+                "CPU emulation of the projection GEMM's fp32 accumulation order, BEFORE (one chain of k16 "
                 "MMA steps) vs AFTER (gemm.tree_chunks(K) chunk partials from zero, added in chunk order); "
                 "each k16 step's product sum formed in fp64 and rounded to fp32 once (an approximation of "
                 "the tensor core's internal sum), fp32 adds.  Not device numbers: those come from the GPU "
@@ -337,7 +417,7 @@ def main(argv=None) -> int:
                     "bf16.excess_bias_ulp": "mean (bf16(acc) - round_bf16(ref)) / ulp_bf16(ref), signed: the "
                                             "accumulation's bias on top of the correct rounding's own"},
         "config": {"K": args.k, "M": args.m, "N": ns, "seeds": seeds, "neg_zeros": not args.no_neg_zeros,
-                   "quick": args.quick},
+                   "quick": args.quick, "device": args.device},
         "runtime_s": round(time.time() - t0, 1),
         "shapes": [{k: v for k, v in r.items() if not k.startswith("_")} for r in shapes],
     }
@@ -347,7 +427,7 @@ def main(argv=None) -> int:
     print(f"wrote {out} ({payload['runtime_s']} s)")
     png = args.plot or str(out.with_suffix(".png"))
     if png.lower() != "none":
-        plot(shapes, png)
+        plot(shapes, png, title=None if not on_gpu else f"{how}: device numbers")
     return 0
 
 

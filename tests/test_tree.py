@@ -224,3 +224,58 @@ def test_one_token_every_tier_and_split_cpu_ranks():
         shared.append(sh)
     T.check_tail(ref[None], prefix_hidden=prefix, partials=parts, shared=shared, norm_weight=gamma, up_weight=up,
                  eps=1e-5, what="tree token")
+
+
+def _tree_numerics():
+    """bench/tree_numerics.py as a module (bench/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tree_numerics.py"
+    spec = importlib.util.spec_from_file_location("tree_numerics", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tree_numerics_device_gemm_before_and_after():
+    """``bench/tree_numerics.py --device`` measures BEFORE and AFTER with the real GEMM kernel: with
+    ``tree_s = 1`` it must be the single chain of every K tile (the form before issue 29), with
+    ``tree_chunks(K)`` the tree, bit for bit (the exact construction, fp32 output), at two tiles."""
+    from k3tail.triton_kernels import gemm as G
+
+    TN = _tree_numerics()
+    K, N = 1024, 40
+    for M in (1, 16):
+        a, w = exact_case(M, N, K, seed=300 + M)
+        want_tree = R.project_tree(a, w, tree_chunks(K))
+        want_chain = _orders(a, w, tree_chunks(K))["chain"]
+        for tactic in (G.default_tactics(M), G.default_tactics(1 << 20)):
+            tree = TN.device_gemm(a, w, tree_chunks(K), tactic, "interp")
+            chain = TN.device_gemm(a, w, 1, tactic, "interp")
+            assert torch.equal(tree.view(torch.int32), want_tree.view(torch.int32)), (M, tactic)
+            assert torch.equal(chain.view(torch.int32), want_chain.view(torch.int32)), (M, tactic)
+
+
+def test_tree_numerics_device_mode_writes_results(tmp_path):
+    """The script's device mode end to end (interpreter, tiny shape): the JSON holds both variants from
+    the kernel (other bits: the override reached it), the emulation comparison and the tile re-check."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "tn.json"
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "tree_numerics.py"),
+                        "--device", "interp", "--k", "1024", "--n", "32", "--m", "4", "--seeds", "1",
+                        "--out", str(out), "--plot", "none"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    (shape,) = doc["shapes"]
+    assert doc["config"]["device"] == "interp" and doc["meta"]["device"] == "cpu (Triton interpreter)"
+    assert shape["tree_chunks"] == 8 and shape["frac_fp32_tree_ne_chain"] > 0.2, shape["frac_fp32_tree_ne_chain"]
+    d = shape["device"]
+    assert set(d["frac_fp32_device_ne_emulation"]) == {"chain", "tree"}
+    assert isinstance(d["tree_bits_same_with_large_tile"], bool)
+    assert "device tree bits with the large-M tile" in r.stdout, r.stdout
