@@ -117,7 +117,31 @@ def bench_kernel_b(log) -> list:
     return rows
 
 
-def bench_tail_loopback(log, W: int = 8, tactics=None) -> list:
+def kernel_profile(fn, n: int = 20, top: int = 8) -> list:
+    """Where the device time of ``fn`` goes: ``n`` eager calls under torch.profiler, the kernels by total
+    device time (name, calls, mean us).  In loopback the ranks' kernels overlap on one GPU, so a kernel's
+    time includes the contention of its peers' kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t and e.count:
+            rows.append({"kernel": e.key[:80], "calls_per_call": e.count / n, "mean_us": t / e.count,
+                         "total_us_per_call": t / n})
+    rows.sort(key=lambda r: -r["total_us_per_call"])
+    return rows[:top]
+
+
+def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False) -> list:
     from k3tail.ops.allreduce import OneShotAllReduce
 
     world = k3tail.LoopbackWorld(W)
@@ -174,6 +198,11 @@ def bench_tail_loopback(log, W: int = 8, tactics=None) -> list:
                    ratio_deferred=t_c / t_fd, tactics=tactics or "default")
         log(f"loopback W={W} M={M} (tactics {tactics or 'default'}): TAIL_FUSION {t_f:.1f} us "
             f"(deferred {t_fd:.1f} us), composed {t_c:.1f} us, x{row['ratio']:.2f}")
+        if profile_kernels:
+            row["kernels"] = kernel_profile(fused(False))
+            for k in row["kernels"]:
+                log(f"    kernel {k['kernel']}: {k['calls_per_call']:.1f} per call, {k['mean_us']:.2f} us each "
+                    f"({k['total_us_per_call']:.1f} us per call, all ranks)")
         rows.append(row)
     return rows
 
@@ -223,6 +252,8 @@ def main():
     ap.add_argument("--name", default="bench_tail", help="basename of the JSON and PNG written under --out")
     ap.add_argument("--loopback-tactics", nargs="*", default=[],
                     help="LatentTail tactic dicts (JSON) to measure in the loopback part beside the default")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the device time per kernel of the loopback TAIL_FUSION (torch.profiler, eager)")
     ap.add_argument("--baseline", default=None,
                     help="an earlier bench_tail JSON: print this run's loopback TAIL_FUSION times against its own")
     args = ap.parse_args()
@@ -242,7 +273,7 @@ def main():
     figs = {"kernel_b": [] if args.skip_kernel_b else bench_kernel_b(log)}
     if not args.skip_loopback:
         try:
-            figs["tail_loopback"] = bench_tail_loopback(log)
+            figs["tail_loopback"] = bench_tail_loopback(log, profile_kernels=args.profile)
             for t in args.loopback_tactics:
                 figs["tail_loopback"] += bench_tail_loopback(log, tactics=json.loads(t))
         except Exception as e:  # report, keep the kernel-B figures
