@@ -276,6 +276,7 @@ for name in sys.argv[1:]:
     res[name] = dict(wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync" in ptx,
                      tma="cp.async.bulk.tensor" in ptx, cp_async="cp.async.cg" in ptx or "cp.async.ca" in ptx,
                      setmaxnreg="setmaxnreg" in ptx, shared=k.metadata.shared, warps=k.metadata.num_warps,
+                     loops=k.asm["ttgir"].count("scf.for "),
                      spills=spill_stores(ptx), seconds=round(time.time() - t0, 2))
 print("RESULT" + json.dumps(res))
 '''
@@ -318,6 +319,12 @@ def test_candidates_compile_for_sm90(half):
             assert r["setmaxnreg"] and r["warps"] == 12, (name, r)  # producer + 2 consumer warpgroups
         # the reduction tree keeps two fp32 accumulators per tile: no candidate may spill them
         assert r["spills"] == 0, (name, r)
+        # the K loop's form: k_flat is one loop over every tile (one software pipeline), the chunked form
+        # one loop per chunk (a first chunk's loop, then the chunk loop inside the loop over chunks); a
+        # TMA kernel's tile loop (persistent or not) adds one
+        tile_loop = int(t["variant"] == "tma")
+        want = 1 if t.get("k_flat") else (1 if G.tree_chunks(3584) == 1 else 3)
+        assert r["loops"] == want + tile_loop, (name, r["loops"], want + tile_loop)
     if half == 0:
         # the large-M default: TMA + wgmma; the decode default: an MMA, loads as its variant says
         big, small = G.DEFAULTS[None], G.DEFAULTS[16]

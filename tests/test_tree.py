@@ -128,7 +128,12 @@ def test_project_tree_exact():
     K, N = 1024, 72
     tiles = [None, {"m16": {"block_m": 16, "block_n": 16, "swap_ab": True},
                     "m256": {"block_m": 16, "block_n": 32, "swap_ab": True}},
-             {"m16": {"block_m": 32, "block_n": 64}, "m256": {"block_m": 32, "block_n": 64}}]
+             {"m16": {"block_m": 32, "block_n": 64}, "m256": {"block_m": 32, "block_n": 64}},
+             # the flat K loop (k_flat: one loop, each chunk folded at its last tile): the same bits
+             {"m16": {"block_m": 16, "block_n": 16, "swap_ab": True, "k_flat": True},
+              "m256": {"block_m": 32, "block_n": 64, "k_flat": True}},
+             {"m16": {"variant": "tma", "block_m": 16, "block_n": 32, "swap_ab": True, "k_flat": True},
+              "m256": {"variant": "tma", "block_m": 32, "block_n": 64, "persistent": True, "k_flat": True}}]
     for M in (1, 17, 40):
         a, w = exact_case(M, N, K, seed=100 + M)
         want = R.project_tree(a, w, tree_chunks(K))
@@ -250,7 +255,8 @@ def test_tree_numerics_device_gemm_before_and_after():
         a, w = exact_case(M, N, K, seed=300 + M)
         want_tree = R.project_tree(a, w, tree_chunks(K))
         want_chain = _orders(a, w, tree_chunks(K))["chain"]
-        for tactic in (G.default_tactics(M), G.default_tactics(1 << 20)):
+        for tactic in (G.default_tactics(M), G.default_tactics(1 << 20), G.CANDIDATES["p_s16x16_w4_s16_kf"][0],
+                       G.CANDIDATES["t_n128x128_w8_s4_p_kf"][0]):
             tree = TN.device_gemm(a, w, tree_chunks(K), tactic, "interp")
             chain = TN.device_gemm(a, w, 1, tactic, "interp")
             assert torch.equal(tree.view(torch.int32), want_tree.view(torch.int32)), (M, tactic)

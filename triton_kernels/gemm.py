@@ -82,8 +82,9 @@ Both take ``SWAP_AB``: the MMA computes ``W_tile @ normed_tile^T`` (weights on t
 side, tokens on its N side, ``[BLOCK_N, BLOCK_M]``), transposed before the epilogue: at small M
 the weight stream then spreads over ``cdiv(N, BLOCK_N)`` programs with MMA-N = BLOCK_M >= 16.
 
-The K loop is :func:`k_loop_ptr` / :func:`k_loop_tma` (the tree) around :func:`chunk_ptr` /
-:func:`chunk_tma` (one chunk) around :func:`mma_chunk`; TAIL_FUSION's kernel B
+The K loop is :func:`k_loop_ptr` / :func:`k_loop_tma` (the tree: one loop per chunk, or with
+``k_flat`` one loop over every tile) around :func:`chunk_ptr` / :func:`chunk_tma` (one chunk) around
+:func:`mma_chunk`; TAIL_FUSION's kernel B
 (``tail_fusion_b.py``) calls the same helpers, so its arithmetic is this code.
 
 Launch contract (for the launcher in ``k3tail/ops``; :func:`launch_gemm` is the reference one
@@ -97,7 +98,9 @@ Tactic dict keys (:data:`TACTIC_KEYS`):
   live registers; elementwise, so no effect on bits); tma only: ``persistent`` (grid =
   min(tiles, SMs) instead of one program per tile), ``flatten`` (fuse the tile and K loops so
   the next tile's loads overlap this tile's epilogue), ``warp_spec`` (Triton 3.6 only, warps 4,
-  epi_split 1, no flatten: :func:`warp_spec_supported`).
+  epi_split 1, no flatten: :func:`warp_spec_supported`); ``k_flat`` (optional, default False: the
+  tree as one K loop over every tile instead of one loop per chunk, the same bits; see
+  :func:`k_loop_ptr`).
 Grid: :func:`grid` (1-D).  ``M`` is not specialized (``do_not_specialize``), nor ``num_progs``;
 ``K`` is a constexpr (one per model); ``N`` may be.
 Validation: :func:`check_tactics`.  Candidates (the tuning space): :data:`CANDIDATES`.
@@ -131,14 +134,15 @@ def tree_chunks(K: int) -> int:
     return next(s for s in (TREE_MAX, 4, 2, 1) if tiles % s == 0)
 
 TACTIC_KEYS = ("variant", "block_m", "block_n", "swap_ab", "group_m", "warps", "stages",
-               "persistent", "flatten", "warp_spec", "epi_split")
+               "persistent", "flatten", "warp_spec", "epi_split", "k_flat")
+OPTIONAL_KEYS = {"k_flat": False}  # keys a tactic may leave out (tables written before the key): their default
 
 
 def _t(variant, block_m, block_n, swap_ab, warps, stages, *, group_m=8, persistent=False, flatten=False,
-       warp_spec=False, epi_split=1) -> dict:
+       warp_spec=False, epi_split=1, k_flat=False) -> dict:
     return dict(variant=variant, block_m=block_m, block_n=block_n, swap_ab=swap_ab, group_m=group_m,
                 warps=warps, stages=stages, persistent=persistent, flatten=flatten, warp_spec=warp_spec,
-                epi_split=epi_split)
+                epi_split=epi_split, k_flat=k_flat)
 
 
 # The tuning space the H200 run sweeps (bench/bench_gemm.py): name -> (tactic, the M values it is
@@ -180,6 +184,14 @@ CANDIDATES = {
     "t_n128x128_w8_s4_pf": (_t("tma", 128, 128, False, 8, 4, persistent=True, flatten=True), (1024, 8192)),
     "t_n64x256_w8_s3_p": (_t("tma", 64, 256, False, 8, 3, persistent=True), (1024, 8192)),
     "t_n64x256_w8_s4_p_e2": (_t("tma", 64, 256, False, 8, 4, persistent=True, epi_split=2), (1024, 8192)),
+    # the flat K loop (k_flat, issue 29: one loop over the tree's chunks, the same bits): twins of the
+    # defaults and of the large-M tiles, timed beside them
+    "p_s16x16_w4_s16_kf": (_t("ptr", 16, 16, True, 4, 16, group_m=1, k_flat=True), (1, 4, 16)),
+    "t_s16x32_w4_s12_kf": (_t("tma", 16, 32, True, 4, 12, group_m=1, k_flat=True), (1, 4, 16, 64)),
+    "t_n64x64_w4_s8_kf": (_t("tma", 64, 64, False, 4, 8, k_flat=True), (64, 256, 1024)),
+    "t_n128x128_w8_s4_p_kf": (_t("tma", 128, 128, False, 8, 4, persistent=True, k_flat=True), (1024, 8192)),
+    "t_n128x128_w8_s5_p_kf": (_t("tma", 128, 128, False, 8, 5, persistent=True, k_flat=True), (1024, 8192)),
+    # (no 64x256 twin: the flat loop's live chunk and sum spill it, 40 bytes, ptxas sm_90)
 }
 
 # Picked on the H200 (bench/results/gemm_nvidia_h200.json, Triton 3.6, c6d2f4b, before the tree): the
@@ -215,7 +227,7 @@ def check_tactics(t: dict) -> None:
     unknown = set(t) - set(TACTIC_KEYS)
     if unknown:
         raise ValueError(f"unknown gemm tactic keys {sorted(unknown)} (BLOCK_K and split-K are not tactics)")
-    missing = set(TACTIC_KEYS) - set(t)
+    missing = set(TACTIC_KEYS) - set(t) - set(OPTIONAL_KEYS)
     if missing:
         raise ValueError(f"gemm tactic misses {sorted(missing)}")
     if t["variant"] not in ("ptr", "tma"):
@@ -227,8 +239,8 @@ def check_tactics(t: dict) -> None:
     for k in ("group_m", "stages"):
         if not isinstance(t[k], int) or isinstance(t[k], bool) or not 1 <= t[k] <= 64:
             raise ValueError(f"{k} must be an int in 1..64, got {t[k]!r}")
-    for k in ("swap_ab", "persistent", "flatten", "warp_spec"):
-        if not isinstance(t[k], bool):
+    for k in ("swap_ab", "persistent", "flatten", "warp_spec", "k_flat"):
+        if not isinstance(t.get(k, OPTIONAL_KEYS.get(k)), bool):
             raise ValueError(f"{k} must be a bool, got {t[k]!r}")
     if t["block_n"] // t["epi_split"] < 16:
         raise ValueError(f"epi_split {t['epi_split']} leaves column slices under 16 of block_n {t['block_n']}")
@@ -317,21 +329,68 @@ def chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, strid
 
 
 @triton.jit
+def _fold(acc, p, c, kt, CH: tl.constexpr):
+    """The flat K loop's step after tile ``kt`` (``c`` tiles of the running chunk, this one included):
+    at a chunk's last tile fold its partial ``p`` into ``acc`` in chunk order (the first chunk's
+    partial is ``acc``; later ones are added) and restart ``p`` from zero.  Returns ``(acc, p, c)``."""
+    if c == CH:
+        if kt == CH - 1:
+            acc = p
+        else:
+            acc = acc + p
+        p = tl.zeros_like(p)
+        c = 0
+    return acc, p, c
+
+
+@triton.jit
 def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
                K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
+               SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr, FLAT: tl.constexpr):
     """The whole reduction tree in one program, pointer loads: ``TREE_S`` chunks of
-    ``K_TILES / TREE_S`` tiles each (:func:`chunk_ptr`, each from zero), their partial sums added in
-    chunk order, ``((p0 + p1) + p2) + ...`` in fp32.  ``TREE_S = 1`` is one chunk: the single
-    ascending chain.  Returns the fp32 sum in MMA orientation."""
+    ``K_TILES / TREE_S`` tiles each (each from zero), their partial sums added in chunk order,
+    ``((p0 + p1) + p2) + ...`` in fp32.  ``TREE_S = 1`` is one chunk: the single ascending chain.
+    Returns the fp32 sum in MMA orientation.
+
+    Two loop forms, the same bits (the tactic ``k_flat``; no key reaches the tree):
+      * ``FLAT = False``: one :func:`chunk_ptr` loop per chunk.  Triton's software pipeliner
+        pipelines only the innermost loop, so the load pipeline drains and refills at every chunk
+        boundary (``TREE_S`` prologues in the sm_90 TTGIR), and a chunk of 7 tiles cannot keep a
+        deeper pipeline full: seen on the H100 as the GEMM family at about half cuBLAS's speed at
+        every M after the tree came in (bench/results/issue29).
+      * ``FLAT = True`` (``K_UNROLL = 1``): one loop over all ``K_TILES`` tiles.  The running chunk
+        ``p`` takes one :func:`_ptr_chunk` per tile; at a chunk's last tile it is folded into
+        ``acc`` (the first chunk: ``acc = p``; then ``acc = acc + p``) and restarts from zero: the
+        same dots into the same accumulators and the same adds, one loop for the pipeliner (one
+        ``scf.for`` in the sm_90 TTGIR, ``tests/test_gemm.py``).  Its cost: the fold reads ``p``
+        inside the loop, so Triton waits for each wgmma before the next (``pendings = 0``) where
+        the chunked form keeps one in flight; mma.sync tiles lose nothing."""
     K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     CH: tl.constexpr = K_TILES // TREE_S
     tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (tree_chunks)")
-    acc = chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, 0,
-                    K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
-    for s in range(1, TREE_S):  # the partials in chunk order (constexpr trip count)
-        acc = acc + chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, s * CH,
-                              K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+    if FLAT:
+        tl.static_assert(K_UNROLL == 1, "the flat K loop does not unroll")
+        rk = tl.arange(0, BLOCK_K)
+        kcol = rk.to(tl.int64)
+        a_ptrs = a_ptr + rm_ld[:, None] * stride_am + kcol[None, :] * stride_ak
+        w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + kcol[None, :] * stride_wk
+        if SWAP_AB:
+            p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = p
+        c = 0  # tiles of the running chunk so far
+        for kt in range(K_TILES):  # constexpr trip count: sequential, ascending
+            p = _ptr_chunk(a_ptrs, w_ptrs, p, kt, rk, K, SWAP_AB)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+            acc, p, c = _fold(acc, p, c + 1, kt, CH)
+    else:
+        acc = chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, 0,
+                        K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+        for s in range(1, TREE_S):  # the partials in chunk order (constexpr trip count)
+            acc = acc + chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, s * CH,
+                                  K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
     return acc
 
 
@@ -358,14 +417,27 @@ def chunk_tma(a_desc, w_desc, off_m, off_n, kt0, CH: tl.constexpr, BLOCK_M: tl.c
 
 @triton.jit
 def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr):
-    """:func:`k_loop_ptr` with TMA loads (:func:`chunk_tma`): the same tree."""
+               BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, K_UNROLL: tl.constexpr, FLAT: tl.constexpr):
+    """:func:`k_loop_ptr` with TMA loads (:func:`chunk_tma`): the same tree, the same two loop forms
+    (``FLAT``: one loop over every tile, the chunk folded into ``acc`` at its last tile)."""
     K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     CH: tl.constexpr = K_TILES // TREE_S
     tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (tree_chunks)")
-    acc = chunk_tma(a_desc, w_desc, off_m, off_n, 0, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
-    for s in range(1, TREE_S):
-        acc = acc + chunk_tma(a_desc, w_desc, off_m, off_n, s * CH, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+    if FLAT:
+        tl.static_assert(K_UNROLL == 1, "the flat K loop does not unroll")
+        if SWAP_AB:
+            p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = p
+        c = 0
+        for kt in range(K_TILES):
+            p = mma_chunk(a_desc.load([off_m, kt * BLOCK_K]), w_desc.load([off_n, kt * BLOCK_K]), p, SWAP_AB)
+            acc, p, c = _fold(acc, p, c + 1, kt, CH)
+    else:
+        acc = chunk_tma(a_desc, w_desc, off_m, off_n, 0, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
+        for s in range(1, TREE_S):
+            acc = acc + chunk_tma(a_desc, w_desc, off_m, off_n, s * CH, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
     return acc
 
 
@@ -464,6 +536,7 @@ def gemm_kernel(
     stride_om, stride_on,
     K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
+    K_FLAT: tl.constexpr,
 ):
     """Pointer variant: one ``[BLOCK_M, BLOCK_N]`` output tile per program (grid :func:`grid`)."""
     num_m = (M + BLOCK_M - 1) // BLOCK_M
@@ -475,7 +548,7 @@ def gemm_kernel(
     rm_ld = tl.where(rm < M, rm, 0).to(tl.int64)
     rn_ld = tl.where(rn < N, rn, 0).to(tl.int64)
     acc = k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk,
-                     K, TREE_S, BLOCK_M, BLOCK_N, SWAP_AB, 1)
+                     K, TREE_S, BLOCK_M, BLOCK_N, SWAP_AB, 1, K_FLAT)
     _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, pm * BLOCK_M, pn * BLOCK_N, M, N,
                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
                 BLOCK_M, BLOCK_N, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
@@ -486,9 +559,9 @@ def _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m,
               stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
               K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
-              HAS_SHSUM: tl.constexpr):
+              HAS_SHSUM: tl.constexpr, K_FLAT: tl.constexpr):
     pm, pn = tile_coords(tile, num_m, num_n, GROUP_M)
-    acc = k_loop_tma(a_desc, w_desc, pm * BLOCK_M, pn * BLOCK_N, K, TREE_S, BLOCK_M, BLOCK_N, SWAP_AB, 1)
+    acc = k_loop_tma(a_desc, w_desc, pm * BLOCK_M, pn * BLOCK_N, K, TREE_S, BLOCK_M, BLOCK_N, SWAP_AB, 1, K_FLAT)
     _store_tile(acc, prefix_ptr, shsum_ptr, out_ptr, pm * BLOCK_M, pn * BLOCK_N, M, N,
                 stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
                 BLOCK_M, BLOCK_N, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
@@ -500,7 +573,7 @@ def gemm_tma_kernel(
     stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
     K: tl.constexpr, TREE_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, HAS_SHSUM: tl.constexpr, K_FLAT: tl.constexpr,
 ):
     """TMA variant: ``num_progs`` programs (grid :func:`grid`) walk the tiles in grouped order,
     program p taking tiles p, p + num_progs, ...  ``a_desc``: host descriptor of normed
@@ -514,14 +587,14 @@ def gemm_tma_kernel(
         while tile < num_tiles:
             _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
                       stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
-                      K, TREE_S, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+                      K, TREE_S, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM, K_FLAT)
             tile += num_progs
     else:
         for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=FLATTEN,
                              warp_specialize=WARP_SPEC):
             _tma_tile(tile, a_desc, w_desc, prefix_ptr, shsum_ptr, out_ptr, M, N, num_m, num_n,
                       stride_pm, stride_pn, stride_sm, stride_sn, stride_om, stride_on,
-                      K, TREE_S, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM)
+                      K, TREE_S, BLOCK_M, BLOCK_N, GROUP_M, SWAP_AB, EPI_SPLIT, HAS_PREFIX, HAS_SHSUM, K_FLAT)
 
 
 # ------------------------------------------------------------------ reference launch
@@ -539,7 +612,8 @@ def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool) -> tu
     only :func:`gemm_runtime_args` per call."""
     kw = dict(K=K, TREE_S=tree_chunks(K), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
               SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1), HAS_PREFIX=bool(has_prefix),
-              HAS_SHSUM=bool(has_shared), num_warps=t["warps"], num_stages=t["stages"])
+              HAS_SHSUM=bool(has_shared), K_FLAT=bool(t.get("k_flat", False)), num_warps=t["warps"],
+              num_stages=t["stages"])
     if t["variant"] == "ptr":
         return gemm_kernel, kw
     assert t["variant"] == "tma", t["variant"]

@@ -157,10 +157,10 @@ def tail_b_kernel(
     if B_SPLIT == 1:
         if USE_TMA:
             acc = k_loop_tma(normed_desc, w_desc, 0, pid_n * BLOCK_N, LATENT, TREE_S, BLOCK_M_, BLOCK_N, SWAP_AB,
-                             K_UNROLL)
+                             K_UNROLL, False)
         else:
             acc = k_loop_ptr(normed_ptr, w_ptr, rm_ld, rn_ld, LATENT, 1, LATENT, 1, LATENT, TREE_S, BLOCK_M_,
-                             BLOCK_N, SWAP_AB, K_UNROLL)
+                             BLOCK_N, SWAP_AB, K_UNROLL, False)
         if SWAP_AB:
             acc = tl.trans(acc)   # [BLOCK_N, BLOCK_M_] -> [BLOCK_M_, BLOCK_N]
         if not poisoned:  # a poisoned workspace gets no stores into any mailbox
