@@ -208,7 +208,8 @@ def test_tactics_validation():
            dict(good, variant="gemv"), dict(good, block_m=8),
            dict(good, block_n=48), dict(good, warps=3), dict(good, stages=0), dict(good, swap_ab=1),
            dict(good, persistent=True), dict(good, epi_split=4, block_n=32),
-           dict(good, variant="tma", warp_spec=True, flatten=True), dict(good, variant="tma", warp_spec=True, warps=8)]
+           dict(good, variant="tma", warp_spec=True, flatten=True), dict(good, variant="tma", warp_spec=True, warps=8),
+           dict(good, k_flat=1), dict(good, k_flat="yes")]
     for t in bad:
         with pytest.raises(ValueError):
             G.check_tactics(t)
@@ -216,6 +217,12 @@ def test_tactics_validation():
     del missing["group_m"]
     with pytest.raises(ValueError):
         G.check_tactics(missing)
+    # k_flat is optional (tables written before it): left out, the chunked loop
+    assert "k_flat" not in good
+    G.check_tactics(good)
+    G.check_tactics(dict(good, k_flat=True))
+    assert G.gemm_compile_time(good, 3584, False, False)[1]["K_FLAT"] is False
+    assert G.gemm_compile_time(dict(good, k_flat=True), 3584, False, False)[1]["K_FLAT"] is True
     assert G.grid(17, 45, good, 132) == (triton.cdiv(17, 16) * triton.cdiv(45, 16),)
     assert G.grid(8192, 7168, dict(good, variant="tma", persistent=True), 132) == (132,)
 

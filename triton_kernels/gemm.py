@@ -356,8 +356,8 @@ def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stri
       * ``FLAT = False``: one :func:`chunk_ptr` loop per chunk.  Triton's software pipeliner
         pipelines only the innermost loop, so the load pipeline drains and refills at every chunk
         boundary (``TREE_S`` prologues in the sm_90 TTGIR), and a chunk of 7 tiles cannot keep a
-        deeper pipeline full: seen on the H100 as the GEMM family at about half cuBLAS's speed at
-        every M after the tree came in (bench/results/issue29).
+        deeper pipeline full: the likely cause of the GEMM family's 0.5-0.7x cuBLAS on the H100
+        since the tree came in (bench/results/issue29; the TTGIR shows it, no device profile yet).
       * ``FLAT = True`` (``K_UNROLL = 1``): one loop over all ``K_TILES`` tiles.  The running chunk
         ``p`` takes one :func:`_ptr_chunk` per tile; at a chunk's last tile it is folded into
         ``acc`` (the first chunk: ``acc = p``; then ``acc = acc + p``) and restarts from zero: the
