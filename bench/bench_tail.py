@@ -117,18 +117,30 @@ def bench_kernel_b(log) -> list:
     return rows
 
 
-def kernel_profile(fn, n: int = 20, top: int = 8) -> list:
-    """Where the device time of ``fn`` goes: ``n`` eager calls under torch.profiler, the kernels by total
-    device time (name, calls, mean us).  In loopback the ranks' kernels overlap on one GPU, so a kernel's
-    time includes the contention of its peers' kernels."""
+def kernel_profile(fn, n: int = 20, top: int = 8, graph: bool = False) -> list:
+    """Where the device time of ``fn`` goes: ``n`` calls under torch.profiler (``graph``: replays of a
+    CUDA graph of one call, as the timing runs it; else eager calls), the kernels by total device time
+    (name, calls, mean us).  In loopback the ranks' kernels overlap on one GPU, so a kernel's time
+    includes its peers' contention; eagerly, a rank's first kernel also waits for its peers' launches.
+    Empty where the profiler records no kernel inside a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
+    run, per_run = fn, 1
+    if graph:  # two calls per graph, as the timing alternates the two layers
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        run, per_run = g.replay, 2
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            fn()
+            run()
         torch.cuda.synchronize()
+    n *= per_run  # calls profiled
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)
@@ -199,10 +211,12 @@ def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = F
         log(f"loopback W={W} M={M} (tactics {tactics or 'default'}): TAIL_FUSION {t_f:.1f} us "
             f"(deferred {t_fd:.1f} us), composed {t_c:.1f} us, x{row['ratio']:.2f}")
         if profile_kernels:
-            row["kernels"] = kernel_profile(fused(False))
-            for k in row["kernels"]:
-                log(f"    kernel {k['kernel']}: {k['calls_per_call']:.1f} per call, {k['mean_us']:.2f} us each "
-                    f"({k['total_us_per_call']:.1f} us per call, all ranks)")
+            for mode in ("graph", "eager"):
+                row[f"kernels_{mode}"] = kernel_profile(fused(False), graph=mode == "graph")
+                for k in row[f"kernels_{mode}"] or [{"kernel": "(none recorded)", "calls_per_call": 0.0,
+                                                     "mean_us": 0.0, "total_us_per_call": 0.0}]:
+                    log(f"    {mode} kernel {k['kernel']}: {k['calls_per_call']:.1f} per call, {k['mean_us']:.2f} us "
+                        f"each ({k['total_us_per_call']:.1f} us per call, all ranks)")
         rows.append(row)
     return rows
 
@@ -253,7 +267,8 @@ def main():
     ap.add_argument("--loopback-tactics", nargs="*", default=[],
                     help="LatentTail tactic dicts (JSON) to measure in the loopback part beside the default")
     ap.add_argument("--profile", action="store_true",
-                    help="also the device time per kernel of the loopback TAIL_FUSION (torch.profiler, eager)")
+                    help="also the device time per kernel of the loopback TAIL_FUSION (torch.profiler: graph "
+                         "replays, then eager calls)")
     ap.add_argument("--baseline", default=None,
                     help="an earlier bench_tail JSON: print this run's loopback TAIL_FUSION times against its own")
     args = ap.parse_args()
