@@ -55,6 +55,7 @@ from k3tail import reference
 from k3tail import testing as T
 from k3tail.runtime import modes
 from k3tail.tools.bench_results import jsonable, pyplot, results_meta, save_figure
+from k3tail.triton_kernels import gemm as G
 from k3tail.triton_kernels.gemm import tree_chunks
 
 K3_LATENT = 3584
@@ -162,8 +163,6 @@ def device_gemm(normed: torch.Tensor, w: torch.Tensor, tree_s: int, tactic: dict
     """The projection GEMM of ``triton_kernels/gemm.py`` on ``device``: fp32 out (no epilogue, no rounding
     after the accumulator), the reduction tree's shape forced to ``tree_s`` chunks (1: the single chain
     of the form before issue 29).  Returns the fp32 accumulator on the CPU."""
-    from k3tail.triton_kernels import gemm as G
-
     device = "cpu" if device == "interp" else device
     a, b = normed.to(device), w.to(device)
     out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=torch.float32, device=device)  # poisoned
@@ -186,8 +185,6 @@ def run_shape(M: int, N: int, K: int, seeds, neg_zeros: bool, device: str = "cpu
     tree_other_tile = []
     refs = []
     if device != "cpu":
-        from k3tail.triton_kernels import gemm as G
-
         small, large = G.default_tactics(M), G.default_tactics(1 << 20)
     for seed in seeds:
         normed, w = draw(M, N, K, seed, neg_zeros)

@@ -267,12 +267,13 @@ def test_tree_numerics_device_mode_writes_results(tmp_path):
     """The script's device mode end to end (interpreter, tiny shape): the JSON holds both variants from
     the kernel (other bits: the override reached it), the emulation comparison and the tile re-check."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     out = tmp_path / "tn.json"
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "tree_numerics.py"),
                         "--device", "interp", "--k", "1024", "--n", "32", "--m", "4", "--seeds", "1",
                         "--out", str(out), "--plot", "none"], capture_output=True, text=True, env=env, timeout=300)

@@ -284,6 +284,15 @@ def mma_chunk(a, w, acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def chunk_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A chunk's fp32 accumulator at +0.0, in MMA orientation (``[BLOCK_N, BLOCK_M]`` with SWAP_AB)."""
+    if SWAP_AB:
+        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
 def _ptr_chunk(a_ptrs, w_ptrs, acc, kt, rk, K: tl.constexpr, SWAP_AB: tl.constexpr):
     """Chunk ``kt`` of the pointer K loop: load ``[*, BLOCK_K]`` of A and W, one :func:`mma_chunk`."""
     if (K // BLOCK_K) * BLOCK_K == K:  # (int % constexpr is missing in the interpreter)
@@ -311,10 +320,7 @@ def chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, strid
     kcol = (rk + kt0 * BLOCK_K).to(tl.int64)  # (tensor first: constexpr + tensor is a constexpr in the interpreter)
     a_ptrs = a_ptr + rm_ld[:, None] * stride_am + kcol[None, :] * stride_ak
     w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + kcol[None, :] * stride_wk
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = chunk_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     K_MAIN: tl.constexpr = CH // K_UNROLL
     for kb in range(K_MAIN):  # constexpr trip count: sequential, ascending
         for u in tl.static_range(K_UNROLL):
@@ -374,10 +380,7 @@ def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stri
         kcol = rk.to(tl.int64)
         a_ptrs = a_ptr + rm_ld[:, None] * stride_am + kcol[None, :] * stride_ak
         w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + kcol[None, :] * stride_wk
-        if SWAP_AB:
-            p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        p = chunk_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         acc = p
         c = 0  # tiles of the running chunk so far
         for kt in range(K_TILES):  # constexpr trip count: sequential, ascending
@@ -400,10 +403,7 @@ def chunk_tma(a_desc, w_desc, off_m, off_n, kt0, CH: tl.constexpr, BLOCK_M: tl.c
     """:func:`chunk_ptr` with TMA loads: boxes ``[BLOCK_M, BLOCK_K]`` of A at row ``off_m`` and
     ``[BLOCK_N, BLOCK_K]`` of W at row ``off_n`` (rows and K beyond the tensors read zeros).
     Same tiles, same order, same :func:`mma_chunk`, same ``K_UNROLL``, from zero."""
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = chunk_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     K_MAIN: tl.constexpr = CH // K_UNROLL
     for kb in range(K_MAIN):
         for u in tl.static_range(K_UNROLL):
@@ -425,10 +425,7 @@ def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, TREE_S: tl.constex
     tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (tree_chunks)")
     if FLAT:
         tl.static_assert(K_UNROLL == 1, "the flat K loop does not unroll")
-        if SWAP_AB:
-            p = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        p = chunk_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         acc = p
         c = 0
         for kt in range(K_TILES):
