@@ -5,11 +5,14 @@
 1. Kernel B alone (``k3tail.ops.tail.shard_gemm``) on the weight shard of W = 8 (896 x 3584)
    and W = 4 (1792 x 3584), M = 1, 4, 16, against ``torch.matmul`` (cuBLAS) on the same
    shard.  Weights rotate over enough copies to exceed L2 (a real decode step streams
-   each layer's shard from HBM once).  Default tactic and the best of a small sweep.
+   each layer's shard from HBM once).  The default (``batch_invariant`` off: the decode GEMV at
+   M <= b_gemv_max_m, the tree above), the tree alone (``batch_invariant=True``) and the best of a
+   small sweep of each (tree tactics checked bit-identical to the tree's default; GEMV tactics
+   checked against fp32 only: their bits may differ).
 2. The whole TAIL_FUSION per layer in loopback W = 8 (8 virtual ranks on one GPU) against
    the composed path in the same loopback: OneShotAllReduce(routed) -> RMSNorm (torch,
    fp32) -> cuBLAS replicated up-projection -> OneShotAllReduce(shared) -> add.  Two
-   layers alternate (separate weights, separate pool sets).
+   layers alternate (separate weights, separate pool sets).  Default and ``batch_invariant=True``.
 3. Symmetric-memory bytes per rank for 61 MoE layers at W = 8 (formula and measured pool).
 
 CUDA-graph replay, median over replays; JSON + PNG under --out.
@@ -30,7 +33,7 @@ import torch  # noqa: E402
 
 import k3tail  # noqa: E402
 from k3tail import testing as T  # noqa: E402
-from k3tail.ops.tail import LatentTail, shard_gemm  # noqa: E402
+from k3tail.ops.tail import GEMV_MAX_M, LatentTail, shard_gemm  # noqa: E402
 from k3tail.tools.bench_results import results_meta  # noqa: E402
 from k3tail.tools.timing import time_graph  # noqa: E402
 
@@ -48,6 +51,8 @@ SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st, b_k
              (16, True, False, 4, 4, 1, 8), (16, True, False, 4, 8, 7, 8), (16, True, False, 4, 4, 7, 8),
              (16, True, True, 4, 8, 1, 8), (16, True, True, 4, 4, 7, 8), (32, True, False, 4, 8, 1, 8),
              (16, False, False, 4, 8, 1, 8), (16, True, False, 2, 8, 1, 8), (16, True, False, 8, 8, 1, 8)]]
+# the decode GEMV (batch_invariant off, M <= b_gemv_max_m): shard rows per program and warps
+GEMV_SWEEP = [dict(b_gemv_rows=r, b_gemv_warps=w) for r, w in ((4, 4), (4, 8), (8, 4), (16, 8), (16, 16))]
 
 
 def median_us(fn, n_inner: int, n_rep: int = 50) -> float:
@@ -72,46 +77,59 @@ def bench_kernel_b(log) -> list:
                 i = it["i"] = (it["i"] + 1) % copies
                 torch.matmul(a, ws[i].t(), out=outs[i])
 
-            def ours(tac):
+            def ours(tac, inv):
                 def f():
                     i = it["i"] = (it["i"] + 1) % copies
-                    shard_gemm(a, ws[i], out=outs[i], tactics=tac)
+                    shard_gemm(a, ws[i], out=outs[i], tactics=tac, batch_invariant=inv)
                 return f
 
             t_cublas = median_us(cublas, copies * 4)
-            results = {}
-            for name, tac in [("default", None)] + [(f"sweep{j}", t) for j, t in enumerate(SWEEP)]:
+            results, inv_results = {}, {}
+            gemv = M <= GEMV_MAX_M
+            cands = [("default", None, False), ("invariant", None, True)]
+            cands += [(f"sweep{j}", t, True) for j, t in enumerate(SWEEP)]
+            cands += [(f"gemv{j}", t, False) for j, t in enumerate(GEMV_SWEEP)] if gemv else []
+            for name, tac, inv in cands:
                 try:
                     for i in range(copies):  # first call per out allocates helpers (outside capture)
-                        shard_gemm(a, ws[i], out=outs[i], tactics=tac)
+                        shard_gemm(a, ws[i], out=outs[i], tactics=tac, batch_invariant=inv)
                     torch.cuda.synchronize()
                     err = float((outs[0].float() - ref).abs().max())
                     if err > 0.05 * float(ref.abs().max()) + 1e-2:
                         log(f"  {name} tactic {tac}: WRONG result (max err {err}); skipped")
                         continue
-                    if name == "default":
+                    if name == "invariant":
                         bits = outs[0].clone()
-                    elif not torch.equal(outs[0].view(torch.int16), bits.view(torch.int16)):
+                    elif inv and not torch.equal(outs[0].view(torch.int16), bits.view(torch.int16)):
                         diff = int((outs[0].view(torch.int16) != bits.view(torch.int16)).sum())
-                        log(f"  {name} tactic {tac}: NOT bit-identical to the default ({diff} outputs differ); "
-                            f"left out")
+                        log(f"  {name} tactic {tac}: NOT bit-identical to the tree's default ({diff} outputs "
+                            f"differ); left out")
                         continue
-                    results[name] = (median_us(ours(tac), copies * 4), tac)
+                    t_us = median_us(ours(tac, inv), copies * 4)
+                    (inv_results if inv else results)[name] = (t_us, tac)
                 except Exception as e:  # a tactic that does not compile here
                     log(f"  {name} tactic {tac}: failed ({type(e).__name__}: {e})")
-            best = min(results, key=lambda k: results[k][0])
-            row = dict(W=W, N=N, K=LAT, M=M, cublas_us=t_cublas,
+            allr = {**results, **inv_results}
+            best = min(allr, key=lambda k: allr[k][0])
+            best_inv = min(inv_results, key=lambda k: inv_results[k][0])
+            row = dict(W=W, N=N, K=LAT, M=M, cublas_us=t_cublas, gemv=gemv,
                        default_us=results.get("default", (float("nan"),))[0],
-                       best_us=results[best][0], best_tactic=results[best][1] or "default",
+                       invariant_us=inv_results.get("invariant", (float("nan"),))[0],
+                       best_us=allr[best][0], best_tactic=allr[best][1] or best,
+                       best_invariant_us=inv_results[best_inv][0],
+                       best_invariant_tactic=inv_results[best_inv][1] or "default",
                        weight_mb=nbytes / 1e6)
             row["ratio_default"] = t_cublas / row["default_us"]
             row["ratio_best"] = t_cublas / row["best_us"]
             row["gbps_default"] = nbytes / row["default_us"] / 1e3
             row["gbps_best"] = nbytes / row["best_us"] / 1e3
             row["gbps_cublas"] = nbytes / t_cublas / 1e3
+            row["ratio_invariant"] = t_cublas / row["invariant_us"]
             log(f"kernel B W={W} shard {N}x{LAT} M={M}: cuBLAS {t_cublas:.2f} us ({row['gbps_cublas']:.0f} GB/s), "
-                f"ours default {row['default_us']:.2f} us ({row['gbps_default']:.0f} GB/s, "
-                f"x{row['ratio_default']:.2f}), "
+                f"ours default{' (GEMV)' if gemv else ' (tree)'} {row['default_us']:.2f} us "
+                f"({row['gbps_default']:.0f} GB/s, x{row['ratio_default']:.2f}), "
+                f"batch_invariant {row['invariant_us']:.2f} us (x{row['ratio_invariant']:.2f}, best "
+                f"{row['best_invariant_us']:.2f}: {row['best_invariant_tactic']}), "
                 f"best {row['best_us']:.2f} us (x{row['ratio_best']:.2f}, {row['best_tactic']})")
             rows.append(row)
     return rows
@@ -153,7 +171,8 @@ def kernel_profile(fn, n: int = 20, top: int = 8, graph: bool = False) -> list:
     return rows[:top]
 
 
-def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False) -> list:
+def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False,
+                        batch_invariant: bool = False) -> list:
     from k3tail.ops.allreduce import OneShotAllReduce
 
     world = k3tail.LoopbackWorld(W)
@@ -162,7 +181,7 @@ def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = F
     n_layers = 2
     tails = [world.build(lambda r, li=li: LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
                                                      key=f"model.layers.{li}.mlp", timeout_s=20.0,
-                                                     tactics=tactics))
+                                                     tactics=tactics, batch_invariant=batch_invariant))
              for li in range(n_layers)]
     ar_l = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=LAT))
     ar_h = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=H))
@@ -207,8 +226,9 @@ def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = F
             for t in tl_:
                 t.check()
         row = dict(W=W, M=M, fused_us=t_f, fused_deferred_us=t_fd, composed_us=t_c, ratio=t_c / t_f,
-                   ratio_deferred=t_c / t_fd, tactics=tactics or "default")
-        log(f"loopback W={W} M={M} (tactics {tactics or 'default'}): TAIL_FUSION {t_f:.1f} us "
+                   ratio_deferred=t_c / t_fd, tactics=tactics or "default", batch_invariant=batch_invariant)
+        log(f"loopback W={W} M={M} (tactics {tactics or 'default'}, batch_invariant={batch_invariant}): "
+            f"TAIL_FUSION {t_f:.1f} us "
             f"(deferred {t_fd:.1f} us), composed {t_c:.1f} us, x{row['ratio']:.2f}")
         if profile_kernels:
             for mode in ("graph", "eager"):
@@ -233,9 +253,11 @@ def plot(doc: dict, png: str, log=print) -> None:
         kb = figs["kernel_b"]
         labels = [f"W={r['W']}\nM={r['M']}" for r in kb]
         x = range(len(kb))
-        axes[0].bar([i - 0.27 for i in x], [r["cublas_us"] for r in kb], 0.27, label="cuBLAS")
-        axes[0].bar(list(x), [r["default_us"] for r in kb], 0.27, label="kernel B (default)")
-        axes[0].bar([i + 0.27 for i in x], [r["best_us"] for r in kb], 0.27, label="kernel B (best)")
+        axes[0].bar([i - 0.3 for i in x], [r["cublas_us"] for r in kb], 0.2, label="cuBLAS")
+        axes[0].bar([i - 0.1 for i in x], [r["default_us"] for r in kb], 0.2, label="kernel B (default)")
+        axes[0].bar([i + 0.1 for i in x], [r.get("invariant_us", float("nan")) for r in kb], 0.2,
+                    label="kernel B (batch_invariant)")
+        axes[0].bar([i + 0.3 for i in x], [r["best_us"] for r in kb], 0.2, label="kernel B (best)")
         axes[0].set_xticks(list(x), labels)
         axes[0].set_ylabel("us per call")
         axes[0].set_title("Sharded up-projection (weight shard from HBM)")
@@ -245,7 +267,8 @@ def plot(doc: dict, png: str, log=print) -> None:
             x2 = range(len(tl_))
             axes[1].bar([i - 0.2 for i in x2], [r["composed_us"] for r in tl_], 0.4, label="composed")
             axes[1].bar([i + 0.2 for i in x2], [r["fused_us"] for r in tl_], 0.4, label="TAIL_FUSION")
-            tuned = ["" if r.get("tactics", "default") == "default" else "\n(tuned B)" for r in tl_]
+            tuned = [("" if r.get("tactics", "default") == "default" else "\n(tuned B)")
+                     + ("\n(invariant)" if r.get("batch_invariant") else "") for r in tl_]
             axes[1].set_xticks(list(x2), [f"M={r['M']}{t}" for r, t in zip(tl_, tuned)])
             axes[1].set_ylabel("us per layer (8 virtual ranks, one GPU)")
             axes[1].set_title("MoE tail, loopback W=8")
@@ -290,6 +313,7 @@ def main():
     if not args.skip_loopback:
         try:
             figs["tail_loopback"] = bench_tail_loopback(log, profile_kernels=args.profile)
+            figs["tail_loopback"] += bench_tail_loopback(log, profile_kernels=args.profile, batch_invariant=True)
             for t in args.loopback_tactics:
                 figs["tail_loopback"] += bench_tail_loopback(log, tactics=json.loads(t))
         except Exception as e:  # report, keep the kernel-B figures
@@ -299,6 +323,8 @@ def main():
             base = json.load(f)
         old = {(r["W"], r["M"]): r for r in base["figures"].get("tail_loopback", []) if "tactics" not in r}
         for r in figs["tail_loopback"]:
+            if r["tactics"] != "default":
+                continue
             b = old.get((r["W"], r["M"]))
             if b:
                 pct = 100 * (r["fused_us"] / b["fused_us"] - 1)

@@ -36,7 +36,12 @@ class TailConfig:
     token; ``eps``: the RMSNorm epsilon; ``routed_scale``: the routed partial's scale;
     ``dtype``: bf16 or fp16; ``tail_max_tokens``: TAIL_FUSION's capacity (0..16; 0 turns it off);
     ``max_tokens``: the largest M of a call; ``shard_up_proj``: ``up_weight`` is this rank's row
-    shard (``k3tail.ops.prefill.shard_bounds(H, W)``) instead of the whole ``[H, L]``.
+    shard (``k3tail.ops.prefill.shard_bounds(H, W)``) instead of the whole ``[H, L]``;
+    ``batch_invariant``: a token's output bits must not depend on its batch (DESIGN §10): every
+    projection sums K in the one reduction tree and the tier map leaves out the tiers whose all-reduce
+    is not in rank order (CUTE_FINALIZE, MULTIMEM_AR).  Off (the default), TAIL_FUSION's kernel B
+    takes a GEMV at M <= its tactic ``b_gemv_max_m`` (faster decode; other bits than the tree's, so a
+    token's bits there depend on M).  The capability vote agrees it: one rank asking makes it on for all.
     """
 
     hidden: int = 7168
@@ -48,6 +53,7 @@ class TailConfig:
     tail_max_tokens: int = TAIL_MAX_TOKENS
     max_tokens: int = 8192
     shard_up_proj: bool = True
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         """Raise ValueError, naming the field, for anything the kernels cannot serve."""
@@ -73,3 +79,5 @@ class TailConfig:
             raise ValueError(f"config.routed_scale must be a finite float, got {self.routed_scale!r}")
         if not isinstance(self.shard_up_proj, bool):
             raise ValueError(f"config.shard_up_proj must be a bool, got {self.shard_up_proj!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"config.batch_invariant must be a bool, got {self.batch_invariant!r}")

@@ -320,7 +320,8 @@ class K3MoETail(nn.Module):
 
     Public: :meth:`forward`, :meth:`tier_for`, :meth:`plan_for`, :meth:`why_not`, :meth:`warmup`,
     :attr:`caps` (the selector's), :attr:`decision` (all of :func:`k3tail.tiers.decide`),
-    :attr:`negotiated` (local probes, agreed vote, possible tiers and why not).
+    :attr:`negotiated` (local probes, agreed vote, possible tiers and why not),
+    :attr:`batch_invariant` (``config.batch_invariant`` as the vote agreed it: on if any rank asked).
     """
 
     def __init__(self, config: TailConfig, group=None, *, prefix: str, device=None,
@@ -392,6 +393,8 @@ class K3MoETail(nn.Module):
                                                               loopback, tactics)
         self.decision = d = decide(agreed, world_size=W, large_m=large_m, crossovers=cross)
         self.caps: TailCaps = d.caps
+        # the vote's: on if any rank's config asked (DESIGN §10); kernel B and the tier map follow it
+        self.batch_invariant = d.caps.batch_invariant
         self.negotiated = {
             "rank": self.rank, "world_size": W, "device": str(self.device),
             "backend": "loopback" if loopback else getattr(self.comm, "backend", "solo"),
@@ -421,7 +424,8 @@ class K3MoETail(nn.Module):
                           timeout_s=self.timeout_s, device=self.device)
             if a.tail_fusion_max_tokens > 0:
                 ctx.tail = LatentTail(group, hidden=cfg.hidden, latent=cfg.latent, max_tokens=a.tail_fusion_max_tokens,
-                                      key=prefix, pool_depth=pool_depth, tactics=tactics.get("LatentTail"), **common)
+                                      key=prefix, pool_depth=pool_depth, tactics=tactics.get("LatentTail"),
+                                      batch_invariant=d.caps.batch_invariant, **common)
             if a.solo:
                 ctx.solo = FinalizeAllReduceRMSNorm(None, width=cfg.latent, max_tokens=cfg.max_tokens,
                                                     tactics=tactics.get("LaneAllReduce"), **common)

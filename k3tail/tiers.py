@@ -99,7 +99,10 @@ class TailCaps:
       sharded path needs no P2P, so groups without ``fused_ar`` take it from
       ``large_m_min_tokens`` (``k3tail tune`` learns that crossover against SEPARATE_REDUCE);
     * ``solo``: a world of one; FUSED_LANE_AR is one local launch at every M (the lane fields are
-      then unused).
+      then unused);
+    * ``batch_invariant``: some rank's config asked for batch invariance (DESIGN §10; the vote's
+      ``fast_decode`` is 0): every projection sums K in the one reduction tree (no GEMV in
+      TAIL_FUSION's kernel B) and CUTE_FINALIZE and MULTIMEM_AR are impossible.
     """
 
     tail_fusion_max_tokens: int = 0
@@ -111,6 +114,7 @@ class TailCaps:
     multimem_max_tokens: int = 8192
     large_m: str = "allreduce"
     large_m_min_tokens: int = 128
+    batch_invariant: bool = False
     solo: bool = False
 
 
@@ -169,6 +173,11 @@ def decide(agreed: Dict[str, int], *, world_size: int, large_m: str = "sharded",
         return not miss
 
     peers = (("p2p", "functional P2P failed on some rank"), ("peer_reach", "peers unreachable (no fabric handles)"))
+    # batch_invariant asked on some rank: the tiers whose cross-rank sum is not k3tail's rank-order
+    # fp64 sum (flashinfer's all-reduce, the switch's multimem reduction) would give a token other
+    # bits than the other tiers at the M where they engage (DESIGN §10)
+    invariant = ("fast_decode", "batch_invariant=True on some rank: its all-reduce is not in rank order, so a "
+                                "token's bits would depend on the tier and hence on M")
     tail_ok = need(Tier.TAIL_FUSION, ("latent_tail_env", "K3TAIL_DISABLE_LATENT_TAIL=1 on some rank"),
                    ("dtype_ok", "dtype is not bf16/fp16"),
                    ("hidden_ge_w", "hidden < W: some rank would own no output columns"),
@@ -178,13 +187,13 @@ def decide(agreed: Dict[str, int], *, world_size: int, large_m: str = "sharded",
     mm_ok = need(Tier.MULTIMEM_AR, ("fused_ar_env", "K3TAIL_DISABLE_FUSED_AR=1 on some rank"),
                  ("multicast", "multicast not agreed (disabled on these machines)"),
                  ("symm_mem", "needs a multi-process CUDA group with symmetric memory"),
-                 ("dtype_ok", "dtype is not bf16/fp16"), *peers)
+                 ("dtype_ok", "dtype is not bf16/fp16"), *peers, invariant)
     cute_ok = need(Tier.CUTE_FINALIZE, ("sm100_family", "not SM100-family GPUs on every rank"),
                    ("flashinfer_cute", "flashinfer with the mnnvl-cutedsl backend missing on some rank"),
                    ("multicast", "multicast not agreed"), ("symm_mem", "needs a multi-process CUDA group"),
                    ("hidden_div_w", "hidden is not a multiple of 8*W"), *peers,
                    ("cute_max_tokens", "flashinfer's is_mnnvl_cutedsl_supported said no on some rank "
-                                       "(the module's negotiated['local_why'] says why)"))
+                                       "(the module's negotiated['local_why'] says why)"), invariant)
     lane_why_not = why.get(Tier.FUSED_LANE_AR)
     solo = world_size == 1 and bool(a["fused_ar_env"]) and bool(a["dtype_ok"])
     if solo or large_m == "sharded":  # neither needs P2P: FUSED_LANE_AR is possible at every M
@@ -199,6 +208,7 @@ def decide(agreed: Dict[str, int], *, world_size: int, large_m: str = "sharded",
         multimem_max_tokens=a["multimem_max_tokens"],
         large_m=large_m,
         solo=solo,
+        batch_invariant=not a["fast_decode"],
     )
     caps = alloc
     cross = crossovers or {}

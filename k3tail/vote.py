@@ -24,7 +24,10 @@ Probes (each local; the P2P probe exchanges data through a probe workspace, see 
   CUDA fabric handles (``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED``);
 * flashinfer's mnnvl-cutedsl backend, and flashinfer's own eligibility for the shape
   (``is_mnnvl_cutedsl_supported``, asked by ``cute_fallback.mnnvl.supported_max_tokens``; a
-  sentinel import that never raises).
+  sentinel import that never raises);
+* ``fast_decode``: 1 unless this rank's config asks ``batch_invariant=True`` (DESIGN §10).  MIN
+  makes one rank's request everyone's: the tier map and kernel B's choice then agree on every rank,
+  and no rank runs a batch-variant path while a peer promised invariance.
 
 The probe workspace is the only allocation before the vote.  Every rank allocates it
 unconditionally, with the same size and in the same place of the construction sequence,
@@ -56,7 +59,7 @@ VOTE_FIELDS: Tuple[str, ...] = (
     "latent_tail_env", "fused_ar_env", "pdl",
     "p2p", "peer_reach", "multicast", "symm_mem", "flashinfer_cute",
     "tail_max_tokens", "lane_max_tokens", "cute_max_tokens", "multimem_max_tokens",
-    "hidden_ge_w",
+    "hidden_ge_w", "fast_decode",
 )
 
 
@@ -174,6 +177,9 @@ def local_probes(config, comm: Comm, device: torch.device, *, group=None, lane_m
     if not cute_cap:
         why["cute_max_tokens"] = cute_why
     v["multimem_max_tokens"] = int(config.max_tokens)
+    v["fast_decode"] = int(not config.batch_invariant)
+    if not v["fast_decode"]:
+        why["fast_decode"] = "config.batch_invariant=True (one reduction tree in every tier, DESIGN §10)"
     return Probes(v, why)
 
 

@@ -321,18 +321,65 @@ def test_shard_gemm_tiles():
                          {"b_swap_ab": True, "b_block_n": 16, "b_split": 4, "b_k_unroll": 2}]
                         if tree_chunks(Lt) == 4 else [])):
                 out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
-                shard_gemm(a, w, out=out, tactics=t)
+                shard_gemm(a, w, out=out, tactics=t, batch_invariant=True)  # the tree at every M
                 check_rounded_once(out, a, w, f"shard_gemm {t} N={N} L={Lt} M={M}")
                 outs.append(out)
             for o in outs[1:]:
                 assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16)), (N, Lt, M)
     a = T.randn((3, 200), torch.bfloat16, 5)
     w = T.randn((64, 200), torch.bfloat16, 6, scale=200 ** -0.5)
-    for bad in ({"b_swap_ab": 1}, {"b_tma": "yes"}, {"b_block_n": 24}, {"b_block_n": 8}, {"b_gemv_rows": 8},
+    for bad in ({"b_swap_ab": 1}, {"b_tma": "yes"}, {"b_block_n": 24}, {"b_block_n": 8}, {"b_gemv_rows": 3},
                 {"b_k_unroll": 0}, {"b_k_unroll": True}, {"b_split": 3}, {"b_split": 8}, {"b_split": 0},
-                {"b_split": True}, {"b_block_n": 512}):
+                {"b_split": True}, {"b_block_n": 512}, {"b_gemv_max_m": 5}, {"b_gemv_max_m": -1},
+                {"b_gemv_max_m": True}, {"b_gemv_rows": 128}, {"b_gemv_rows": 0}, {"b_gemv_warps": 64},
+                {"b_gemv_warps": 3}, {"b_gemv_warps": 4.0}):
         with pytest.raises(ValueError, match="b_"):
             shard_gemm(a, w, tactics=bad)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        shard_gemm(a, w, batch_invariant=1)
+    # the GEMV's register tile: b_gemv_rows x next_pow2(latent) <= 2^20 (refused only where it runs)
+    with pytest.raises(ValueError, match="b_gemv_rows"):
+        shard_gemm(T.randn((1, 40000), torch.bfloat16, 7), T.randn((64, 40000), torch.bfloat16, 8),
+                   tactics={"b_gemv_rows": 32})
+
+
+def test_shard_gemm_gemv():
+    """Kernel B's decode GEMV (batch_invariant off, M <= b_gemv_max_m): the fp64 product rounded once up
+    to fp32 summation, every element written, for shard rows a multiple of the tile or not, latent a
+    power of two or not, 1..64 rows per program; M above b_gemv_max_m takes the tree (its bits exactly);
+    and the GEMV really runs (its bits are not the tree's on some element)."""
+    from k3tail.ops import tail as tail_op
+    from k3tail.ops.tail import shard_gemm, uses_gemv
+
+    for N, Lt in ((64, 256), (72, 200), (40, 136)):
+        for M in (1, 2, 3, 4, 5):
+            seed = 2000 * M + N + Lt
+            a = T.randn((M, Lt), torch.bfloat16, seed)
+            w = T.randn((N, Lt), torch.bfloat16, seed + 1, scale=Lt ** -0.5)
+            tree = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
+            shard_gemm(a, w, out=tree, batch_invariant=True)
+            for rows in (1, 8, 64):
+                t = {"b_gemv_rows": rows, "b_gemv_max_m": 4}
+                out = T.poison_(torch.empty(M, N, dtype=torch.bfloat16))
+                shard_gemm(a, w, out=out, tactics=t)
+                check_rounded_once(out, a, w, f"GEMV rows={rows} N={N} L={Lt} M={M}")
+                assert uses_gemv(tail_op.resolve_tactics(t, hidden=N, latent=Lt, W=1, device=a.device), M,
+                                 False) == (M <= 4)
+                if M > 4:  # above b_gemv_max_m: the tree, bit for bit
+                    assert torch.equal(out.view(torch.int16), tree.view(torch.int16)), (N, Lt, M)
+    # The GEMV runs (not the tree under another name): rows whose exact product is 0 (the second half
+    # of K cancels the first), so each output is the fp32 summation's rounding residue, which depends on
+    # the order of the sums; the GEMV's one sum and the tree's chunks leave other residues.
+    Lt, N = 256, 64
+    a = T.randn((1, Lt // 2), torch.bfloat16, 77).repeat(1, 2)
+    w = T.randn((N, Lt // 2), torch.bfloat16, 78, scale=64.0)
+    w = torch.cat([w, -w], dim=1)
+    g = shard_gemm(a, w, tactics={"b_gemv_max_m": 1})
+    z = shard_gemm(a, w, batch_invariant=True)  # the tree
+    slack = 1.01 * Lt * 2.0 ** -24 * (R.f64(a).abs() @ R.f64(w).abs().T)  # the fp32 summation bound
+    assert (R.f64(g).abs() <= slack).all() and (R.f64(z).abs() <= slack).all()
+    differs = int((g.view(torch.int16) != z.view(torch.int16)).sum())
+    assert differs > 0, "the GEMV and the tree gave the same bits everywhere: is the GEMV running?"
 
 
 # ------------------------------------------------------------------ GPU loopback

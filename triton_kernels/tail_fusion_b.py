@@ -47,7 +47,16 @@ B's part of the protocol:
     poisoned workspace it stores nothing into any mailbox (it still takes its tickets, so the
     counters stay armed).
 
-What the chain argument of ``tail_fusion.py`` needs from B: B never waits (no peer memory is
+(B') ``tail_b_gemv_kernel``, the decode GEMV: only where the vote agreed ``batch_invariant`` off
+    (the default) and M <= tactic ``b_gemv_max_m`` (<= 4).  Grid ``(cdiv(S, ROWS),)``: program p
+    owns shard rows ``[p*ROWS, (p+1)*ROWS)``, loads its whole weight tile and the M rows of
+    ``normed`` at once and sums each row over K in one fp32 ``tl.sum`` of exact fp32 products:
+    not the family's tree, so its bits differ from every other tier's and from B at M > b_gemv_max_m
+    (the cost of the switch, DESIGN §10).  It touches no scratch and no counter; otherwise B's
+    protocol exactly: ``gdc_wait`` first, the poison flag gates the stores, the same epilogue into
+    the same mailbox columns, no wait.
+
+What the chain argument of ``tail_fusion.py`` needs from B (either kernel): B never waits (no peer memory is
 polled); every B program calls ``gdc_wait`` (PDL) before it reads A's local scratch
 (``normed``, ``rs32``) and before its first remote (mailbox) store, so "B(n) started" implies
 "A(n) complete, re-arms included"; B writes only columns ``[rank*S, (rank+1)*S)`` of every
@@ -207,3 +216,75 @@ def tail_b_kernel(
             if not poisoned:
                 _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
                             HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)
+
+
+@triton.jit
+def _gemv_a_row(normed_ptr, m: tl.constexpr, M, offs_k, kmask, LATENT: tl.constexpr, M_P2: tl.constexpr):
+    """Row m of the A operand (``normed``); zeros for rows past M or past the M_P2 rows computed."""
+    if m < M_P2:
+        a = tl.load(normed_ptr + m * LATENT + offs_k, mask=kmask & ((offs_k * 0 + m) < M), other=0.0)
+    else:
+        a = tl.zeros(offs_k.shape, normed_ptr.dtype.element_ty)
+    return a
+
+
+@triton.jit(do_not_specialize=["rank", "M"])
+def tail_b_gemv_kernel(
+    normed_ptr, w_ptr, rs32_ptr, prefix_ptr, table_ptr, mc_ptr, ctrl_ptr, rank, M,
+    HIDDEN: tl.constexpr, LATENT: tl.constexpr, SHARD: tl.constexpr, W: tl.constexpr,
+    MB_BYTES: tl.constexpr, PAD_BYTES: tl.constexpr,
+    ROWS: tl.constexpr, K_P2: tl.constexpr, M_P2: tl.constexpr, EVEN_N: tl.constexpr,
+    MULTICAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Kernel B's decode GEMV (``batch_invariant`` off, M <= M_P2 <= 4): program p owns shard rows
+    ``[p*ROWS, (p+1)*ROWS)`` and loads its whole ``[ROWS, LATENT]`` weight tile (K padded to K_P2,
+    masked), the epilogue operands and the M rows of ``normed`` at once; each token's row is
+    ``sum_k w * a`` with fp32 products (exact for 16-bit inputs) and one fp32 ``tl.sum`` over K (not
+    the projection family's tree: other bits, so a token's bits here depend on M).  No ``tl.dot``, no
+    split, no scratch, no counter.  Same protocol as ``tail_b_kernel`` otherwise: ``gdc_wait`` before
+    the first read of A's scratch and the first mailbox store, the poison flag gates the stores only,
+    the same epilogue and mailbox columns, never a wait."""
+    tl.static_assert(M_P2 <= 4)
+    pid = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()   # A complete, its normed/rs32 visible; before any mailbox store
+    DTYPE = normed_ptr.dtype.element_ty
+    poisoned = is_poisoned(ctrl_ptr)  # gates only the stores
+    offs_n = pid * ROWS + tl.arange(0, ROWS)
+    offs_k = tl.arange(0, K_P2)
+    offs_m = tl.arange(0, M_P2)
+    nmask = offs_n < SHARD
+    kmask = offs_k < LATENT
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * LATENT + offs_k[None, :]
+    if EVEN_N and K_P2 == LATENT:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+    m2 = (offs_m < M)[:, None] & nmask[None, :]
+    sh, pf = _b_operands(rs32_ptr, prefix_ptr, offs_m, offs_n, m2, rank, HIDDEN, SHARD, W)
+    # Scheduling fence (no data dependence; loads stay in flight across it): ptxas (sm_90, Triton
+    # 3.6) sank most weight loads into the reduction at M = 1 (a few 16-byte loads per thread in
+    # flight, the rest issued as the partial sums consumed them).  No arithmetic can start before the
+    # A rows loaded after the barrier, so every load above is issued first.
+    tl.debug_barrier()
+    a0 = _gemv_a_row(normed_ptr, 0, M, offs_k, kmask, LATENT, M_P2)
+    a1 = _gemv_a_row(normed_ptr, 1, M, offs_k, kmask, LATENT, M_P2)
+    a2 = _gemv_a_row(normed_ptr, 2, M, offs_k, kmask, LATENT, M_P2)
+    a3 = _gemv_a_row(normed_ptr, 3, M, offs_k, kmask, LATENT, M_P2)
+    acc = tl.zeros([M_P2, ROWS], dtype=tl.float32)
+    for m in tl.static_range(M_P2):
+        if m == 0:
+            a = a0
+        elif m == 1:
+            a = a1
+        elif m == 2:
+            a = a2
+        else:
+            a = a3
+        # fp32 products (exact for 16-bit inputs), fp32 sums; widened before the multiply (the
+        # interpreter mishandles 16-bit arithmetic)
+        r = tl.sum(w.to(tl.float32) * a[None, :].to(tl.float32), axis=1)
+        acc = tl.where(offs_m[:, None] == m, r[None, :], acc)
+    if not poisoned:  # a poisoned workspace gets no stores into any mailbox
+        _b_epilogue(acc, sh, pf, offs_m, offs_n, m2, table_ptr, mc_ptr, rank,
+                    HIDDEN, SHARD, W, MB_BYTES, PAD_BYTES, DTYPE, MULTICAST)

@@ -8,7 +8,10 @@ finished shard into every rank's mailbox; C: Lamport gather), no barrier.  B is 
 ``tree_chunks(latent)`` chunks each in K order, their partials added in chunk order, so its bits are
 every tier's), tactics ``b_block_n``, ``b_swap_ab``, ``b_tma``, ``b_warps``, ``b_stages``,
 ``b_k_unroll`` and ``b_split`` (programs per N tile sharing the tree's chunks: a power of two that
-divides the chunk count; never another tree).
+divides the chunk count; never another tree).  Unless ``batch_invariant`` (DESIGN §10; K3MoETail passes
+the vote's), B at ``M <= b_gemv_max_m`` (0..4) is the decode GEMV instead (``b_gemv_rows`` shard rows
+per program, ``b_gemv_warps``): faster at decode, one fp32 ``tl.sum`` over K instead of the tree, so
+those M get other bits than the tree's (within the tier bound, not bitwise).
 Also here: the tactic dict (:func:`default_tactics`), kernel B's launch, and
 :func:`shard_gemm` (kernel B alone at world size 1, for benchmarks and tests).
 
@@ -55,18 +58,22 @@ from k3tail.triton_kernels.lamport import CTRL_WORDS
 from k3tail.triton_kernels.gemm import BLOCK_K as GEMM_BLOCK_K
 from k3tail.triton_kernels.gemm import tma_ok, tree_chunks
 from k3tail.triton_kernels.tail_fusion import BLOCK_M, PAD_BYTES_SIZE, TAG_SLICES, tail_a_kernel, tail_c_kernel
-from k3tail.triton_kernels.tail_fusion_b import tail_b_kernel
+from k3tail.triton_kernels.tail_fusion_b import tail_b_gemv_kernel, tail_b_kernel
 
 __all__ = ["LatentTail", "default_tactics", "shard_gemm", "split_scratch", "workspace_layout"]
 
 _A = L.kernel(tail_a_kernel)
 _B = L.kernel(tail_b_kernel)
+_BG = L.kernel(tail_b_gemv_kernel)
 _C = L.kernel(tail_c_kernel)
 
 _SQ_STRIDE = TAG_SLICES  # most A slices per token (one tag slot per slice)
 TACTIC_KEYS = ("a_slices", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "b_k_unroll", "b_split",
-               "c_block", "c_programs")
+               "b_gemv_max_m", "b_gemv_rows", "b_gemv_warps", "c_block", "c_programs")
 B_BLOCK_N_MAX = 256  # kernel B's widest N tile (sizes the split scratch)
+GEMV_MAX_M = 4       # the GEMV keeps up to 4 token rows of normed in registers
+GEMV_MAX_ROWS = 64
+_GEMV_MAX_NUMEL = 1 << 20  # Triton's largest block: b_gemv_rows x next_pow2(latent)
 
 
 def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -> dict:
@@ -76,7 +83,9 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
         # The interpreter runs programs one after another: few, large programs; pointer loads.
         return {"a_slices": 1, "b_block_n": max(16, min(256, p2(-(-hidden // W)))), "b_swap_ab": False,
                 "b_tma": False, "b_warps": 4, "b_stages": 1, "b_k_unroll": 1, "b_split": 1,
-                "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
+                "b_gemv_max_m": GEMV_MAX_M,
+                "b_gemv_rows": max(1, min(GEMV_MAX_ROWS, p2(-(-hidden // W)), _GEMV_MAX_NUMEL // p2(latent))),
+                "b_gemv_warps": 4, "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
     # B: the projection family's decode tile (gemm.DEFAULTS[16]: weights on the MMA's M side, 16 shard
     # rows per program, pointer loads, 16 stages; the fastest kernel B of the H200 run,
@@ -85,10 +94,13 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     # streams its weights from 8x the programs (issue 29; the tree is the same at any b_split).  A chunk is
     # only K_TILES / 8 tiles (7 at K3): 8 stages cover it, and the shared memory of 16 or 32 stages
     # (4 KiB each) would leave one program per SM.  Not yet timed on the device (bench/bench_tail.py).
+    # The GEMV (batch_invariant off) at M <= 4: 8 shard rows per program over 8 warps, the fastest
+    # kernel B at M = 1 before the tree (H200, bench_tail.json at 8e91ac7: 3.90 us at W = 8).
     split = tree_chunks(latent)
     return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 4,
-            "b_stages": 16 if split == 1 else 8, "b_k_unroll": 1, "b_split": split, "c_block": 1024,
-            "c_programs": 16}
+            "b_stages": 16 if split == 1 else 8, "b_k_unroll": 1, "b_split": split,
+            "b_gemv_max_m": GEMV_MAX_M, "b_gemv_rows": max(1, min(8, _GEMV_MAX_NUMEL // p2(latent))),
+            "b_gemv_warps": 8, "c_block": 1024, "c_programs": 16}
 
 
 def _check_tactics(t: dict, latent: int) -> None:
@@ -109,6 +121,16 @@ def _check_tactics(t: dict, latent: int) -> None:
     for k in ("b_swap_ab", "b_tma"):
         if not isinstance(t.get(k), bool):
             raise ValueError(f"tactics[{k!r}] must be a bool, got {t.get(k)!r}")
+    g = t.get("b_gemv_max_m")
+    if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g <= GEMV_MAX_M:
+        raise ValueError(f"tactics['b_gemv_max_m'] must be an int in 0..{GEMV_MAX_M} (0 = never the GEMV), got {g!r}")
+    for k, hi in (("b_gemv_rows", GEMV_MAX_ROWS), ("b_gemv_warps", 32)):
+        v = t.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi or v & (v - 1):
+            raise ValueError(f"tactics[{k!r}] must be a power of two in 1..{hi}, got {v!r}")
+    if g and t["b_gemv_rows"] * L.next_pow2(latent) > _GEMV_MAX_NUMEL:
+        raise ValueError(f"tactics['b_gemv_rows'] ({t['b_gemv_rows']}) x latent padded to a power of two "
+                         f"({L.next_pow2(latent)}) exceeds Triton's largest block ({_GEMV_MAX_NUMEL})")
 
 
 def resolve_tactics(tactics: Optional[dict], *, hidden: int, latent: int, W: int, device: torch.device) -> dict:
@@ -124,12 +146,26 @@ def resolve_tactics(tactics: Optional[dict], *, hidden: int, latent: int, W: int
     return t
 
 
+def uses_gemv(t: dict, M: int, batch_invariant: bool) -> bool:
+    """Whether kernel B at ``M`` tokens is the decode GEMV (never when ``batch_invariant``)."""
+    return not batch_invariant and 1 <= M <= t["b_gemv_max_m"]
+
+
 def _launch_b(t: dict, M: int, normed, up_weight, rs32, prefix, table, mc, ctrl, part, cnt, rank: int, *,
-              hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool) -> None:
-    """Kernel B: grid ``(cdiv(shard, b_block_n), b_split)``.  With ``b_tma`` (and TMA-able operands:
+              hidden: int, latent: int, shard: int, W: int, lay: dict, multicast: bool, pdl: bool,
+              batch_invariant: bool) -> None:
+    """Kernel B: the decode GEMV where :func:`uses_gemv` says so (grid ``(cdiv(shard, b_gemv_rows),)``),
+    else the tree: grid ``(cdiv(shard, b_block_n), b_split)``.  With ``b_tma`` (and TMA-able operands:
     unit K stride, 16-byte aligned rows) ``normed[0:M]`` and the weight shard are read through host
     TMA descriptors, else through pointers: the same bits either way, and at any ``b_split``.
     ``part`` / ``cnt``: this rank's split scratch (:func:`split_scratch`), read only at b_split > 1."""
+    if uses_gemv(t, M, batch_invariant):
+        rows = t["b_gemv_rows"]
+        _BG.variant(num_warps=t["b_gemv_warps"], pdl=pdl, HIDDEN=hidden, LATENT=latent, SHARD=shard, W=W,
+                    MB_BYTES=lay["mb_off"], PAD_BYTES=lay["pad_off"], ROWS=rows, K_P2=L.next_pow2(latent),
+                    M_P2=L.next_pow2(M), EVEN_N=shard % rows == 0, MULTICAST=multicast, USE_PDL=pdl)(
+            (-(-shard // rows),), normed, up_weight, rs32, prefix, table, mc, ctrl, rank, M)
+        return
     use_tma = bool(t["b_tma"]) and not interpret_mode() and tma_ok(normed, up_weight)
     nd = wd = None
     if use_tma:
@@ -241,7 +277,11 @@ class LatentTail:
 
     ``LatentTail(group=None, *, hidden, latent, top_k=None, eps=1e-5, routed_scale=1.0,
     max_tokens=16, dtype=torch.bfloat16, key, pool_depth=2, timeout_s=20.0, tactics=None,
-    device=None)``
+    device=None, batch_invariant=False)``
+
+    ``batch_invariant``: kernel B always on the projection family's tree (a token's bits the same at
+    every M and as in every other tier); off, B at ``M <= tactics["b_gemv_max_m"]`` is the decode GEMV.
+    Every rank must pass the same value (K3MoETail passes the vote's).
 
     ``device``: where the workspace pool and every tensor live (``workspace.resolve_device``:
     None means the group's device, e.g. CPU for gloo; a gloo group with ``device="cuda"`` runs
@@ -263,7 +303,8 @@ class LatentTail:
     def __init__(self, group=None, *, hidden: int, latent: int, top_k: Optional[int] = None,
                  eps: float = DEFAULT_EPS, routed_scale: float = 1.0, max_tokens: int = BLOCK_M,
                  dtype: torch.dtype = torch.bfloat16, key: str, pool_depth: int = 2,
-                 timeout_s: float = 20.0, tactics: Optional[dict] = None, device=None):
+                 timeout_s: float = 20.0, tactics: Optional[dict] = None, device=None,
+                 batch_invariant: bool = False):
         if dtype not in ACT_DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         for name, v in (("hidden", hidden), ("latent", latent)):
@@ -283,6 +324,8 @@ class LatentTail:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         if group is None and not dist.is_initialized():
             comm = None
             W, rank = 1, 0
@@ -307,6 +350,7 @@ class LatentTail:
         self._scalars32 = (f32(routed_scale), f32(eps))  # what kernel A receives (numerics.py), rounded once
         self.max_tokens, self.dtype, self.key, self.pool_depth = max_tokens, dtype, key, pool_depth
         self.timeout_s = float(timeout_s)
+        self.batch_invariant = batch_invariant
         self._calls = CallCounter()
         self._set = self._acquire_set(dev)
         self.ws = self._set.ws
@@ -322,8 +366,10 @@ class LatentTail:
         """Kernel B's multicast stores go in 32-bit pairs of columns: only where the workspace has
         a multicast address (never on this project's machines), the shard width is even and
         the N tile of the variant that runs is even; otherwise unicast (same values)."""
+        t = self.tactics
+        tile = t["b_gemv_rows"] if uses_gemv(t, M, self.batch_invariant) else t["b_block_n"]
         return (self.ws.multicast_ptr != 0 and self.hidden % self.world_size == 0 and self.shard % 2 == 0
-                and self.tactics["b_block_n"] % 2 == 0)
+                and tile % 2 == 0)
 
     # ------------------------------------------------------------------ pool
     def _acquire_set(self, dev: torch.device) -> _Set:
@@ -426,7 +472,7 @@ class LatentTail:
         # ---- B (reads the fault word as its ctrl_ptr: it stores nothing once a fault is posted)
         _launch_b(t, M, st.normed, up_weight, st.rs32, prefix, ws.table, st.mc, ws.fault_blk, st.part, st.cnt_b,
                   ws.rank, hidden=H, latent=Lt, shard=S, W=W, lay=st.layout,
-                  multicast=self._multicast_ok(M), pdl=pdl)
+                  multicast=self._multicast_ok(M), pdl=pdl, batch_invariant=self.batch_invariant)
         # ---- C
         chunks = -(-H // t["c_block"])
         _C.variant(HIDDEN=H, MB_BYTES=st.layout["mb_off"], BLOCK=t["c_block"], W=W, USE_GLOBALTIMER=gt,
@@ -442,8 +488,11 @@ _standalone: dict = {}
 
 
 def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-               tactics: Optional[dict] = None) -> torch.Tensor:
+               tactics: Optional[dict] = None, batch_invariant: bool = False) -> torch.Tensor:
     """Kernel B alone (world size 1): ``out[M, N] = round(normed[M, L] @ up_weight[N, L]^T)``.
+
+    ``batch_invariant`` as :class:`LatentTail`'s: False (the default) runs the decode GEMV at
+    ``M <= b_gemv_max_m``, True the tree at every M.
 
     For the benchmark and tests: the "mailbox" is ``out`` itself, the shared shard and
     the prefix are zeros, so the result is the fp32-accumulated product rounded once.
@@ -461,6 +510,8 @@ def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[t
     if out is None:
         out = torch.empty(M, N, dtype=normed.dtype, device=normed.device)
     check_tensor("out", out, dtype=normed.dtype, device=normed.device, ndim=2, shape=(M, N))
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     dev = normed.device
     t = resolve_tactics(tactics, hidden=N, latent=Lt, W=1, device=dev)
     k = (out.data_ptr(), M, N, Lt, normed.dtype, dev)
@@ -475,5 +526,6 @@ def shard_gemm(normed: torch.Tensor, up_weight: torch.Tensor, *, out: Optional[t
         _standalone[k] = h
     lay = {"mb_off": 0, "pad_off": 0}
     _launch_b(t, M, normed, up_weight, h["rs32"], h["prefix"], h["table"], h["mc"], h["ctrl"], h["part"], h["cnt"], 0,
-              hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False)
+              hidden=N, latent=Lt, shard=N, W=1, lay=lay, multicast=False, pdl=False,
+              batch_invariant=batch_invariant)
     return out
