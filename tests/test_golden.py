@@ -18,7 +18,11 @@ Cases (small shapes, fixed seeds, only the public API, so the same code runs bef
 Inputs are drawn from ``k3tail.testing`` (fresh random values with -0.0 and NaN in unreferenced
 expert rows), never zeros.  After the deliberate numerics change of the projection (issue 21: one
 Triton GEMM family for every M) the recording is redone; that change is not a refactor, and its
-commit says so.
+commit says so.  Issue 29's switch (``TailConfig.batch_invariant``, default off: TAIL_FUSION's kernel B
+at M <= 4 is the decode GEMV) is the next deliberate change: re-recorded at the commit that made it,
+where only ``module/W2/torch.float16/auto/M4/{routed,triple}/TAIL_FUSION`` changed bits (at W = 1 and 3
+and in bf16 the GEMV rounds to the tree's bits on these shapes), and the new ``invariant`` variant
+(``batch_invariant=True``, W = 2) reproduced the earlier recording of ``auto`` in all 56 of its cases.
 """
 
 import hashlib
@@ -36,6 +40,12 @@ RECORD = os.environ.get("K3TAIL_RECORD_GOLDEN", "0") not in ("", "0")
 SHAPE = dict(hidden=96, latent=40, top_k=4)  # hidden/W a multiple of 8 at W = 1, 2, 3; latent uneven at W = 3
 MS = (1, 4, 5, 16, 17)
 LANE = 4
+INVARIANT = "invariant"  # the variant built with TailConfig(batch_invariant=True) (issue 29's switch)
+
+
+def _takes_gemv(key: str) -> bool:
+    """The default's cases where TAIL_FUSION's kernel B is the decode GEMV (M <= 4, batch_invariant off)."""
+    return key.endswith("/TAIL_FUSION") and any(f"/M{m}/" in key for m in range(1, 5))
 
 
 def _tier_names(mod, M):
@@ -44,7 +54,9 @@ def _tier_names(mod, M):
 
 def _module_cases(rank, W, out, *, dtype=torch.bfloat16, variants):
     for vname, kw in variants:
-        cfg = k3tail.TailConfig(max_tokens=max(MS), dtype=dtype, **SHAPE)
+        kw = dict(kw)
+        cfg = k3tail.TailConfig(max_tokens=max(MS), dtype=dtype, batch_invariant=kw.pop("batch_invariant", False),
+                                **SHAPE)
         mod = k3tail.K3MoETail(cfg, prefix=f"golden.{vname}.{dtype}", lane_max_tokens=LANE, **kw)
         H = SHAPE["hidden"]
         for M in MS:
@@ -107,9 +119,11 @@ def _worker(rank, W):
     variants = [("auto", {})]
     if W > 1:
         variants += [("peer", {"exchange": "peer"}), ("allreduce", {"large_m": "allreduce"})]
+    if W == 2:
+        variants += [(INVARIANT, {"batch_invariant": True})]
     _module_cases(rank, W, out, variants=variants)
     if W == 2:
-        _module_cases(rank, W, out, dtype=torch.float16, variants=[("auto", {})])
+        _module_cases(rank, W, out, dtype=torch.float16, variants=[("auto", {}), (INVARIANT, {"batch_invariant": True})])
     _op_cases(rank, W, out)
     return {k: v.detach().cpu() for k, v in out.items()}
 
@@ -160,4 +174,14 @@ def test_golden_bits(W):
             diff = (got.double() - ref.double()).abs().max().item() if got.shape == ref.shape else float("nan")
             bad.append(f"{k}: max |diff| {diff:.3e}")
     assert not bad, f"{len(bad)} of {len(want)} cases changed bits:\n" + "\n".join(bad)
+    # batch_invariant=True is the default's bits wherever the default keeps the tree (every tier but
+    # TAIL_FUSION at M <= 4, where the default takes the GEMV)
+    same = 0
+    for k in outs:
+        if f"/{INVARIANT}/" in k:
+            d = k.replace(f"/{INVARIANT}/", "/auto/")
+            if not _takes_gemv(d):
+                assert torch.equal(outs[k].view(torch.uint8), outs[d].view(torch.uint8)), k
+                same += 1
+    assert same or W != 2
     print(f"W={W}: {len(want)} cases bitwise equal to the recording")
