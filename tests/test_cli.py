@@ -767,6 +767,9 @@ def test_demo_invariance_check_sees_one_flipped_bit():
     assert ok and line.startswith("batch invariance: OK") and "8 comparisons" in line, line
     ok, line = demo.batch_invariance([rank(False), rank(True)], 2)
     assert not ok and "rank 1 token 3: M=4 SEPARATE_REDUCE differs from alone FUSED_LANE_AR in 1 outputs" in line, line
+    # --fast-decode (batch_invariant=False, the library's default): the guarantee was not asked, the line says so
+    ok, line = demo.batch_invariance([rank(False), rank(True)], 2, invariant=False)
+    assert ok and line.startswith("batch invariance: not checked: built with batch_invariant=False"), line
 
 
 def test_tune_writes_the_user_table_by_default_and_says_where(monkeypatch, tmp_path, capsys):

@@ -123,7 +123,8 @@ def _worker(rank, W):
         variants += [(INVARIANT, {"batch_invariant": True})]
     _module_cases(rank, W, out, variants=variants)
     if W == 2:
-        _module_cases(rank, W, out, dtype=torch.float16, variants=[("auto", {}), (INVARIANT, {"batch_invariant": True})])
+        _module_cases(rank, W, out, dtype=torch.float16,
+                      variants=[("auto", {}), (INVARIANT, {"batch_invariant": True})])
     _op_cases(rank, W, out)
     return {k: v.detach().cpu() for k, v in out.items()}
 

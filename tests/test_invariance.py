@@ -8,6 +8,9 @@ the token alone (M = 1) in the first possible tier, eager; every other (tier, M,
 give its row bit for bit.  K3 shape, bf16, materialized routed input at every M (the deferred triple up to
 M = 1024: its expert rows grow with M * top_k).
 
+The modules are built with ``TailConfig(batch_invariant=True)``: the guarantee is an option (issue 29
+item 5); the default, off, takes TAIL_FUSION's decode GEMV at M <= 4, whose bits are not the tree's.
+
 GPU only: W = 1, loopback W = 2, 4, 8, and the process path W = 2 (two processes on one GPU).
 """
 
@@ -130,14 +133,14 @@ def sweep(mods, run, W, dev, *, graphs=True, compiled=False, capture_stream=None
 def _loopback(W):
     T.no_multicast()
     world = k3tail.LoopbackWorld(W)
-    cfg = k3tail.TailConfig(max_tokens=max(MS), **K3)
+    cfg = k3tail.TailConfig(max_tokens=max(MS), batch_invariant=True, **K3)
     mods = world.build(lambda r: k3tail.K3MoETail(cfg, world.group(r), prefix=f"inv.lb{W}"))
     return mods, lambda fn: world.run(fn), world.capture_stream()
 
 
 def test_invariance_w1():
     T.no_multicast()
-    cfg = k3tail.TailConfig(max_tokens=max(MS), **K3)
+    cfg = k3tail.TailConfig(max_tokens=max(MS), batch_invariant=True, **K3)
     mod = k3tail.K3MoETail(cfg, prefix="inv.w1", device="cuda")
     bad, n = sweep([mod], lambda fn: [fn(0)], 1, torch.device("cuda"), compiled=True)
     print(f"W=1: {n} rows checked, {len(bad)} differ")
@@ -155,7 +158,7 @@ def test_invariance_loopback(W):
 def _process_rank(rank, W):
     T.no_multicast()
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = k3tail.TailConfig(max_tokens=max(MS), **K3)
+    cfg = k3tail.TailConfig(max_tokens=max(MS), batch_invariant=True, **K3)
     mod = k3tail.K3MoETail(cfg, prefix="inv.proc", device=dev)
     return sweep([mod], lambda fn: [fn(0)], W, dev, graphs=False)
 

@@ -1,8 +1,10 @@
 """The capability vote: rank-divergent probes agree on the same caps and tiers (one MIN
 all-reduce per construction), the probe hooks, caps_from, and `k3tail doctor`."""
 
+import dataclasses
 import os
 
+import pytest
 import torch
 
 import k3tail
@@ -34,16 +36,19 @@ def _vote_worker(rank, W):
     cfg = k3tail.TailConfig(**CFG)
     out = {}
 
-    def build(name, **kw):
+    def build(name, config=cfg, **kw):
         n0 = len(votes)
-        m = k3tail.K3MoETail(cfg, prefix=f"vote.{name}", **kw)
+        m = k3tail.K3MoETail(config, prefix=f"vote.{name}", **kw)
         tiers = [int(m.tier_for(M, gp)) for M in range(0, cfg.max_tokens + 1) for gp in (False, True)]
         out[name] = dict(caps=m.caps, tiers=tiers, n_votes=len(votes) - n0, local=m.negotiated["local"],
                          why_not=m.negotiated["why_not"], possible=m.negotiated["possible"],
-                         lane_why_not=m.negotiated["lane_why_not"])
+                         lane_why_not=m.negotiated["lane_why_not"], batch_invariant=m.batch_invariant,
+                         local_why=m.negotiated["local_why"])
         return m
 
     build("base", lane_max_tokens=8 + rank)  # rank-divergent capacity: MIN wins
+    # batch invariance asked on rank 1 only: on for every rank (the vote's fast_decode, MIN)
+    build("invariant", config=k3tail.TailConfig(**CFG, batch_invariant=rank == 1))
     if rank == 1:
         os.environ["K3TAIL_DISABLE_LATENT_TAIL"] = "1"
     m = build("no_tail")
@@ -68,7 +73,7 @@ def _vote_worker(rank, W):
 def test_rank_divergent_probes_agree():
     W = 3
     res = k3tail.spawn(W, _vote_worker)
-    for name in ("base", "no_tail", "no_p2p"):
+    for name in ("base", "invariant", "no_tail", "no_p2p"):
         for r in range(W):
             assert res[r][name]["caps"] == res[0][name]["caps"], (name, r)
             assert res[r][name]["tiers"] == res[0][name]["tiers"], (name, r)
@@ -79,6 +84,15 @@ def test_rank_divergent_probes_agree():
                                     multimem_max_tokens=40, large_m="sharded")
     assert base["lane_why_not"] is None
     assert set(base["possible"]) == {"TAIL_FUSION", "FUSED_LANE_AR", "SEPARATE_REDUCE"}
+    assert not base["batch_invariant"] and base["local"]["fast_decode"] == 1
+    for r in range(W):  # one rank's batch_invariant=True is every rank's
+        inv = res[r]["invariant"]
+        assert inv["batch_invariant"] and inv["caps"].batch_invariant, r
+        assert inv["local"]["fast_decode"] == (0 if r == 1 else 1), r
+        assert inv["possible"] == base["possible"] and inv["tiers"] == base["tiers"]
+        assert "CUTE_FINALIZE" in inv["why_not"] and "MULTIMEM_AR" in inv["why_not"]
+    assert "batch_invariant=True" in res[1]["invariant"]["local_why"]["fast_decode"]
+    assert res[0]["invariant"]["caps"] == dataclasses.replace(base["caps"], batch_invariant=True, lane_max_tokens=40)
     # one rank's env disables the latent tail: off everywhere, the lane stays
     assert no_tail["caps"].tail_fusion_max_tokens == 0 and no_tail["caps"].fused_ar
     assert res[1]["no_tail"]["local"]["latent_tail_env"] == 0 and res[0]["no_tail"]["local"]["latent_tail_env"] == 1
@@ -119,6 +133,22 @@ def test_caps_from():
     assert Tier.FUSED_LANE_AR in caps_from(_agreed(p2p=0))[1]
     solo, why = caps_from(_agreed(), world_size=1)
     assert solo.solo and Tier.FUSED_LANE_AR not in why
+    # batch_invariant asked (fast_decode 0): the tiers whose all-reduce is not in rank order are impossible
+    caps, why = caps_from(_agreed(multicast=1, sm100_family=1, flashinfer_cute=1, cute_max_tokens=16))
+    assert caps.multimem and caps.cute_max_tokens == 16 and not caps.batch_invariant
+    assert Tier.MULTIMEM_AR not in why and Tier.CUTE_FINALIZE not in why
+    caps, why = caps_from(_agreed(multicast=1, sm100_family=1, flashinfer_cute=1, cute_max_tokens=16, fast_decode=0))
+    assert caps.batch_invariant and not caps.multimem and caps.cute_max_tokens == 0
+    assert caps.tail_fusion_max_tokens == 16 and caps.fused_ar
+    for t in (Tier.MULTIMEM_AR, Tier.CUTE_FINALIZE):
+        assert "batch_invariant=True" in why[t], why[t]
+
+
+def test_config_batch_invariant():
+    assert k3tail.TailConfig().batch_invariant is False  # off by default (issue 29 item 5)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="batch_invariant"):
+            k3tail.TailConfig(batch_invariant=bad).validate()
 
 
 def test_doctor_cli(capsys):
