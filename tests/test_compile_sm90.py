@@ -67,8 +67,10 @@ def _drive_w1():
     project(T.randn((M, Lt), torch.bfloat16, 3), T.randn((H, Lt), torch.bfloat16, 4),  # the TMA variant
             prefix_hidden=T.randn((M, H), torch.bfloat16, 5), shared_sum=T.randn((M, H), torch.float32, 6),
             tactics={"m16": tma})
-    for key, tactics in (("compile.w1", None), ("compile.w1.swap", {"b_swap_ab": True})):  # B both orientations
-        LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
+    # B on the tree in both orientations (batch_invariant) and the decode GEMV (the default at M <= 4)
+    for key, tactics, inv in (("compile.w1", None, True), ("compile.w1.swap", {"b_swap_ab": True}, True),
+                              ("compile.w1.gemv", None, False)):
+        LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics, batch_invariant=inv)(
             prefix_hidden=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 8),
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), up_weight=T.randn((H, Lt), torch.bfloat16, 9),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
@@ -114,8 +116,9 @@ def _rank_records(rank, W):
         LaneAllReduce(latent=Lt, hidden=H, max_tokens=4, top_k=K)(
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), shared=T.randn((M, H), torch.bfloat16, 20 + rank),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
-        for key, tactics in (("compile.w2", None), ("compile.w2.swap", {"b_swap_ab": True})):  # B both orientations
-            LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics)(
+        for key, tactics, inv in (("compile.w2", None, True), ("compile.w2.swap", {"b_swap_ab": True}, True),
+                                  ("compile.w2.gemv", None, False)):  # B: the tree both ways, the GEMV
+            LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics, batch_invariant=inv)(
                 prefix_hidden=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 30 + rank),
                 norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
                 up_weight=T.randn((H // W, Lt), torch.bfloat16, 9), expert_out=eo, expert_weights=w,

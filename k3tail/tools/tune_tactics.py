@@ -70,7 +70,9 @@ class LatentTailSpec(Spec):
 
     def space(self, full, W, cfg):
         # kernel B: the GEMM family's decode tile and how many programs share the reduction tree's chunks
-        # (b_split: a divisor of gemm.tree_chunks(latent)); no GEMV: every B tactic gives the same bits
+        # (b_split: a divisor of gemm.tree_chunks(latent)): every tree tactic gives the same bits.  The
+        # decode GEMV's tile (b_gemv_rows, b_gemv_warps) and, in the full sweep, the largest M it takes
+        # (b_gemv_max_m: which M get the GEMV's bits instead of the tree's) serve batch_invariant=False only
         from k3tail.triton_kernels.gemm import tree_chunks
 
         tree = tree_chunks(cfg.latent)
@@ -78,10 +80,12 @@ class LatentTailSpec(Spec):
         if full:
             return {"b_block_n": [16, 32, 64], "b_swap_ab": [True, False], "b_tma": [False, True],
                     "b_warps": [2, 4, 8], "b_stages": [4, 6, 8, 12, 16, 24, 32], "b_k_unroll": [1, 2, 4, 7],
-                    "b_split": splits, "a_slices": [1, 2, 4, 7, 14, 28],
+                    "b_split": splits, "b_gemv_max_m": [0, 1, 2, 4], "b_gemv_rows": [4, 8, 16],
+                    "b_gemv_warps": [4, 8, 16], "a_slices": [1, 2, 4, 7, 14, 28],
                     "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
         return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [6, 8, 12, 16], "b_k_unroll": [1, 4],
-                "b_split": splits[-2:], "a_slices": [4, 7, 14], "c_programs": [8, 16, 32]}
+                "b_split": splits[-2:], "b_gemv_rows": [4, 8], "b_gemv_warps": [4, 8], "a_slices": [4, 7, 14],
+                "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         from k3tail.ops.tail import LatentTail
