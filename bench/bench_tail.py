@@ -50,9 +50,10 @@ SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st, b_k
              (16, True, False, 4, 8, 1, 2), (16, True, False, 4, 8, 1, 4), (16, True, False, 4, 8, 1, 8),
              (16, True, False, 4, 4, 1, 8), (16, True, False, 4, 8, 7, 8), (16, True, False, 4, 4, 7, 8),
              (16, True, True, 4, 8, 1, 8), (16, True, True, 4, 4, 7, 8), (32, True, False, 4, 8, 1, 8),
-             (16, False, False, 4, 8, 1, 8), (16, True, False, 2, 8, 1, 8), (16, True, False, 8, 8, 1, 8)]]
+             (16, False, False, 4, 8, 1, 8), (16, True, False, 2, 8, 1, 8), (16, True, False, 8, 8, 1, 8),
+             (16, False, False, 2, 8, 1, 8), (32, True, False, 2, 8, 1, 8)]]
 # the decode GEMV (batch_invariant off, M <= b_gemv_max_m): shard rows per program and warps
-GEMV_SWEEP = [dict(b_gemv_rows=r, b_gemv_warps=w) for r, w in ((4, 4), (4, 8), (8, 4), (16, 8), (16, 16))]
+GEMV_SWEEP = [dict(b_gemv_rows=r, b_gemv_warps=w) for r, w in ((4, 4), (4, 8), (8, 4), (8, 8), (2, 4), (16, 8))]
 
 
 def median_us(fn, n_inner: int, n_rep: int = 50) -> float:
@@ -118,7 +119,7 @@ def bench_kernel_b(log) -> list:
                        best_us=allr[best][0], best_tactic=allr[best][1] or best,
                        best_invariant_us=inv_results[best_inv][0],
                        best_invariant_tactic=inv_results[best_inv][1] or "default",
-                       weight_mb=nbytes / 1e6)
+                       weight_mb=nbytes / 1e6, timings={k: v[0] for k, v in allr.items()})
             row["ratio_default"] = t_cublas / row["default_us"]
             row["ratio_best"] = t_cublas / row["best_us"]
             row["gbps_default"] = nbytes / row["default_us"] / 1e3

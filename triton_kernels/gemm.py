@@ -194,13 +194,14 @@ CANDIDATES = {
     # (no 64x256 twin: the flat loop's live chunk and sum spill it, 40 bytes, ptxas sm_90)
 }
 
-# Picked on the H200 (bench/results/gemm_nvidia_h200.json, Triton 3.6, c6d2f4b, before the tree): the
-# fastest of the candidates that form one bit-class, per bucket of M (the largest M it serves; None: the
-# rest).  The large-M pick then was t_n128x256_w8_s3_p_e2, which spills under the tree's two accumulators;
-# its replacement (no spills, ptxas sm_90) is not yet timed on the device: bench/bench_gemm.py decides.
+# The fastest of the candidates that form one bit-class, per bucket of M (the largest M it serves; None:
+# the rest).  On the H100 at 9939b7f (bench/results/issue29/gemm_kf_9939b7f.json, Triton 3.6; all eight
+# timed candidates, the k_flat twins included, one bit-class over 2,256 rows): the flat K loop is faster
+# for the decode and small tiles (p_s16x16 1.2-1.5x, t_n64x64 1.04-1.2x) and slower for the 128x128 wgmma
+# tile (0.72-0.77x: a wgmma wait per tile), so the decode and small buckets take the _kf twins.
 DEFAULTS = {
-    16: "p_s16x16_w4_s16",
-    256: "t_n64x64_w4_s8",
+    16: "p_s16x16_w4_s16_kf",
+    256: "t_n64x64_w4_s8_kf",
     None: "t_n128x128_w8_s4_p",
 }
 

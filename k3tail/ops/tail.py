@@ -94,13 +94,16 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     # streams its weights from 8x the programs (issue 29; the tree is the same at any b_split).  A chunk is
     # only K_TILES / 8 tiles (7 at K3): 8 stages cover it, and the shared memory of 16 or 32 stages
     # (4 KiB each) would leave one program per SM.  Not yet timed on the device (bench/bench_tail.py).
-    # The GEMV (batch_invariant off) at M <= 4: 8 shard rows per program over 8 warps, the fastest
-    # kernel B at M = 1 before the tree (H200, bench_tail.json at 8e91ac7: 3.90 us at W = 8).
+    # The GEMV (batch_invariant off) at M <= 4 (H200, bench_tail.json at 8e91ac7: 3.90 us at W = 8, M = 1).
     split = tree_chunks(latent)
-    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 4,
+    # H100 at 9939b7f (bench/results/issue29/bench_tail_9939b7f.json): the tree's B fastest with 2 warps at
+    # M = 16 (7.40 vs 8.57 us at W = 8, 11.01 vs 13.37 at W = 4; the same bits); the GEMV with 4 shard rows
+    # per program (W = 8: 4.49 us at M = 1 with 8 warps, 5.61 at M = 4 with 4, against 4.62 / 6.46 with 8
+    # rows and 8 warps)
+    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 2,
             "b_stages": 16 if split == 1 else 8, "b_k_unroll": 1, "b_split": split,
-            "b_gemv_max_m": GEMV_MAX_M, "b_gemv_rows": max(1, min(8, _GEMV_MAX_NUMEL // p2(latent))),
-            "b_gemv_warps": 8, "c_block": 1024, "c_programs": 16}
+            "b_gemv_max_m": GEMV_MAX_M, "b_gemv_rows": max(1, min(4, _GEMV_MAX_NUMEL // p2(latent))),
+            "b_gemv_warps": 4, "c_block": 1024, "c_programs": 16}
 
 
 def _check_tactics(t: dict, latent: int) -> None:
