@@ -87,20 +87,19 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
                 "b_gemv_rows": max(1, min(GEMV_MAX_ROWS, p2(-(-hidden // W)), _GEMV_MAX_NUMEL // p2(latent))),
                 "b_gemv_warps": 4, "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
     slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
-    # B: the projection family's decode tile (gemm.DEFAULTS[16]: weights on the MMA's M side, 16 shard
-    # rows per program, pointer loads, 16 stages; the fastest kernel B of the H200 run,
-    # bench/results/gemm_nvidia_h200.json part (d))
+    # B: the projection family's decode tile (weights on the MMA's M side, pointer loads)
     # b_split: one program per chunk of the reduction tree (gemm.tree_chunks: 8 at K3), so a decode shard
     # streams its weights from 8x the programs (issue 29; the tree is the same at any b_split).  A chunk is
     # only K_TILES / 8 tiles (7 at K3): 8 stages cover it, and the shared memory of 16 or 32 stages
-    # (4 KiB each) would leave one program per SM.  Not yet timed on the device (bench/bench_tail.py).
-    # The GEMV (batch_invariant off) at M <= 4 (H200, bench_tail.json at 8e91ac7: 3.90 us at W = 8, M = 1).
+    # (4 KiB each) would leave one program per SM.  The GEMV (batch_invariant off) at M <= 4.
     split = tree_chunks(latent)
-    # H100 at 9939b7f (bench/results/issue29/bench_tail_9939b7f.json): the tree's B fastest with 2 warps at
-    # M = 16 (7.40 vs 8.57 us at W = 8, 11.01 vs 13.37 at W = 4; the same bits); the GEMV with 4 shard rows
-    # per program (W = 8: 4.49 us at M = 1 with 8 warps, 5.61 at M = 4 with 4, against 4.62 / 6.46 with 8
-    # rows and 8 warps)
-    return {"a_slices": slices, "b_block_n": 16, "b_swap_ab": True, "b_tma": False, "b_warps": 2,
+    # H100 (bench/results/issue29/bench_tail_{9939b7f,f86314d}.json, each tactic bit-checked against the
+    # tree's default there): the tree's B fastest with 32 shard rows per N tile over 2 warps at every M and
+    # W timed (f86314d, W = 8: 7.08 / 6.87 / 6.93 us at M = 1 / 4 / 16 against 8.68 / 8.36 / 7.44 for 16 rows,
+    # 2 warps, and 9.63 / 9.11 / 8.48 for 16 rows, 4 warps; W = 4: 9.78 / 9.71 / 9.72 against 11.95 / 12.80 /
+    # 11.19); the GEMV with 4 shard rows per program over 4 warps (W = 8: 4.90 / 5.51 us at M = 1 / 4 against
+    # 5.00 / 6.46 for the 8 rows over 8 warps of 8e91ac7)
+    return {"a_slices": slices, "b_block_n": 32, "b_swap_ab": True, "b_tma": False, "b_warps": 2,
             "b_stages": 16 if split == 1 else 8, "b_k_unroll": 1, "b_split": split,
             "b_gemv_max_m": GEMV_MAX_M, "b_gemv_rows": max(1, min(4, _GEMV_MAX_NUMEL // p2(latent))),
             "b_gemv_warps": 4, "c_block": 1024, "c_programs": 16}
