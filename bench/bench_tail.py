@@ -118,7 +118,7 @@ def bench_kernel_b(log) -> list:
                        invariant_us=inv_results.get("invariant", (float("nan"),))[0],
                        best_us=allr[best][0], best_tactic=allr[best][1] or best,
                        best_invariant_us=inv_results[best_inv][0],
-                       best_invariant_tactic=inv_results[best_inv][1] or "default",
+                       best_invariant_tactic=inv_results[best_inv][1] or best_inv,
                        weight_mb=nbytes / 1e6, timings={k: v[0] for k, v in allr.items()})
             row["ratio_default"] = t_cublas / row["default_us"]
             row["ratio_best"] = t_cublas / row["best_us"]

@@ -45,7 +45,9 @@ INVARIANT = "invariant"  # the variant built with TailConfig(batch_invariant=Tru
 
 def _takes_gemv(key: str) -> bool:
     """The default's cases where TAIL_FUSION's kernel B is the decode GEMV (M <= 4, batch_invariant off)."""
-    return key.endswith("/TAIL_FUSION") and any(f"/M{m}/" in key for m in range(1, 5))
+    from k3tail.ops.tail import GEMV_MAX_M  # the CPU default b_gemv_max_m
+
+    return key.endswith("/TAIL_FUSION") and any(f"/M{m}/" in key for m in range(1, GEMV_MAX_M + 1))
 
 
 def _tier_names(mod, M):
