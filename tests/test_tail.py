@@ -92,7 +92,8 @@ def check_case(case: dict, outs: list, W: int, what: str) -> dict:
 
 
 def cpu_cases(W: int) -> list:
-    split = {"a_slices": 4, "b_swap_ab": True, "b_block_n": 64, "c_block": 128, "c_programs": 3}
+    # a_programs 5: kernel A's 24 items over 5 programs (4 or 5 each: every item published before the first wait)
+    split = {"a_slices": 4, "a_programs": 5, "b_swap_ab": True, "b_block_n": 64, "c_block": 128, "c_programs": 3}
     cases = [
         dict(key="layer0", shape=SMALL, M=3, deferred=False, seed=1),
         dict(key="layer1", shape=SMALL, M=5, deferred=True, seed=2, routed_scale=2.5),
@@ -257,6 +258,15 @@ def test_tail_w1_and_bad_inputs():
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_block_n": 24})
     with pytest.raises(ValueError, match="b_swap_ab"):
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_swap_ab": 1})
+    for v in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="a_programs"):
+            LatentTail(hidden=H, latent=Lt, key="x", tactics={"a_programs": v})
+    # kernel A with fewer programs than items (each publishes its 2-3 items, then consumes them): the
+    # default's bits.  New inputs (seed 51): an item left unconsumed would show the last call's scratch.
+    c2 = dict(c, key="w1.a2", seed=51, tactics={"a_slices": 2, "a_programs": 3})
+    few = call_tail(make_tail(None, c2), c2, 0, 1)
+    check_case(c2, [few], 1, "W=1 a_programs=3")
+    assert torch.equal(few, call_tail(tail, dict(c, seed=51), 0, 1)), "a_programs changed the bits"
     with pytest.raises(ValueError, match="unknown keys"):  # the tree and BLOCK_K are not tactics
         LatentTail(hidden=H, latent=Lt, key="x", tactics={"b_split_k": 2})
     with pytest.raises(ValueError, match="unknown keys"):

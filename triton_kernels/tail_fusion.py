@@ -38,7 +38,12 @@ Kernels (all on the rank's stream, in the order A, B, C)
     slice s of column shard d of ``shared[t]`` into rs slot (t, rank) of rank d, for every
     d.  With the triple it first checks token t's ``expanded_idx`` row against the rows of
     ``expert_out`` (``lamport.idx_in_range``): an index out of range is never read; the rank
-    posts an INDEX fault and publishes nothing.  Then it polls its LOCAL routed slots
+    posts an INDEX fault and publishes nothing of that item.  Phases: a program first publishes
+    ALL its items (phase 1), then consumes them in the same order (phase 2), so it pays the
+    peers' round trip once per launch, not once per item (one wait per item made a program's
+    items run in lockstep with every peer's, ~15 us an item in loopback W = 8 on the H100,
+    where the spinners' grid is capped at 8 programs a rank: ``launch.grid_cap``).  In phase 2
+    it polls its LOCAL routed slots
     (t, 0..W-1) of slice s together with their tag slots, checks every source's tag (another
     call's tag: a MISMATCH fault, nothing is summed), sums them in rank order in fp64 and
     rounds once into ``sum32`` (and the slice's fp64 sum of squares into ``sq``), re-arms
@@ -48,8 +53,9 @@ Kernels (all on the rank's stream, in the order A, B, C)
     of squares in slice order, ``rstd = numerics.rms_rstd(ss)`` (the statistic every tier
     uses, so all tiers round the latent to the same bits) and writes
     ``normed[t] = round_to(sum32[t] * rstd * gamma)`` (the latent's only rounding).
-    Interpreter-safe: program p only waits for data that the peers' program p publishes
-    (same item order on every rank) before it waits; counters never wait.
+    Interpreter-safe: program p only waits for data that the peers' program p published in
+    its phase 1 (same items on every rank), which comes before any of its waits; counters
+    never wait.
 (B) ``tail_b_kernel`` (``tail_fusion_b.py``, which states B's part in full): the skinny
     GEMM ``normed @ W_up_shard^T`` with the projection family's reduction tree (``gemm.py``:
     ``tree_chunks(L)`` chunks of BLOCK_K 64 tiles, each chunk in ascending order from zero, one
@@ -155,6 +161,8 @@ def tail_a_kernel(
     lo_own, n_own = shard_of(rank, HIDDEN, W)  # n_own: this rank's shard width, rs32's row stride (B's SHARD)
     n_items = M * SLICES
     if check_start(fault_ptr, host_flag_ptr):
+        # Phase 1: publish every item this program owns (stores are fire-and-forget: the peers' round trip
+        # is paid once per launch, not once per item; module docstring, (A) "Phases").
         item = pid
         while item < n_items:
             t = item // SLICES
@@ -163,7 +171,7 @@ def tail_a_kernel(
             lmask = col < LATENT
             good = True
             if DEFERRED:
-                # an index out of range is never dereferenced: post INDEX, publish nothing
+                # an index out of range is never dereferenced: post INDEX, publish nothing of this item
                 good = idx_in_range(idx_ptr, t.to(tl.int64), R, TOPK)
                 if not good:
                     post_fault(ftab_ptr, fault_ptr, host_flag_ptr, fault_record(4, rank, rank), tag, -1, W)
@@ -188,44 +196,55 @@ def tail_a_kernel(
                     v = canonicalize(tl.load(shared_ptr + t * HIDDEN + lo_d + cs, mask=dmask, other=0.0))
                     peer_rs = (tl.load(table_ptr + d) + RS_BYTES).to(tl.pointer_type(DTYPE))
                     tl.store(peer_rs + (t * W + rank) * SHARD + cs, v, mask=dmask)
-                # ---- poll local routed slots (t, 0..W-1) and their tags, check the tags,
-                #      rank-order fp64 sum -> fp32, re-arm
-                rrows = (t * W + srcs[:, None]) * LATENT + col[None, :]
-                rmask = wmask[:, None] & lmask[None, :]
-                tptrs = my_tags + (t * W + srcs) * SQ_STRIDE + s
-                if await_slots(my_routed + rrows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr,
+            item += nprog
+        # Phase 2: consume the same items in the same order.  An item this rank did not publish (INDEX above)
+        # keeps its own slot armed, so its wait ends on the fault word the rank posted (state 2): nothing of
+        # it is summed.
+        item = pid
+        while item < n_items:
+            t = item // SLICES
+            s = item % SLICES
+            col = s * BLOCK_L + offs_l
+            lmask = col < LATENT
+            cs = s * BLOCK_S + offs_s
+            # ---- poll local routed slots (t, 0..W-1) and their tags, check the tags,
+            #      rank-order fp64 sum -> fp32, re-arm
+            rrows = (t * W + srcs[:, None]) * LATENT + col[None, :]
+            rmask = wmask[:, None] & lmask[None, :]
+            tptrs = my_tags + (t * W + srcs) * SQ_STRIDE + s
+            if await_slots(my_routed + rrows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, host_flag_ptr,
+                           clock_ptr, deadline, rank, W, USE_GLOBALTIMER):
+                acc = rank_sum64(my_routed + t * W * LATENT + col, LATENT, lmask, W).to(tl.float32)
+                tl.store(sum_ptr + t * LATENT + col, acc, mask=lmask)
+                tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(sq64(acc)))  # fp64 statistic
+                rearm(my_routed + rrows, rmask, tl.float32)  # barrier first (lamport.py)
+                arm(tptrs, wmask, tl.int32)                  # (after the same barrier)
+                # ---- poll local rs slots (t, 0..W-1), own shard slice, fp32 sum, re-arm
+                #      (the tag above vouches for them: same producer program, same call)
+                smask = cs < n_own
+                srows = (t * W + srcs[:, None]) * SHARD + cs[None, :]
+                sm2 = wmask[:, None] & smask[None, :]
+                no_tag = srcs < 0
+                if await_slots(my_rs + srows, sm2, tptrs, no_tag, tag, fault_ptr, ftab_ptr, host_flag_ptr,
                                clock_ptr, deadline, rank, W, USE_GLOBALTIMER):
-                    acc = rank_sum64(my_routed + t * W * LATENT + col, LATENT, lmask, W).to(tl.float32)
-                    tl.store(sum_ptr + t * LATENT + col, acc, mask=lmask)
-                    tl.store(sq_ptr + t * SQ_STRIDE + s, tl.sum(sq64(acc)))  # fp64 statistic
-                    rearm(my_routed + rrows, rmask, tl.float32)  # barrier first (lamport.py)
-                    arm(tptrs, wmask, tl.int32)                  # (after the same barrier)
-                    # ---- poll local rs slots (t, 0..W-1), own shard slice, fp32 sum, re-arm
-                    #      (the tag above vouches for them: same producer program, same call)
-                    smask = cs < n_own
-                    srows = (t * W + srcs[:, None]) * SHARD + cs[None, :]
-                    sm2 = wmask[:, None] & smask[None, :]
-                    no_tag = srcs < 0
-                    if await_slots(my_rs + srows, sm2, tptrs, no_tag, tag, fault_ptr, ftab_ptr, host_flag_ptr,
-                                   clock_ptr, deadline, rank, W, USE_GLOBALTIMER):
-                        sacc = rank_sum64(my_rs + t * W * SHARD + cs, SHARD, smask, W)
-                        tl.store(rs32_ptr + t * n_own + cs, sacc.to(tl.float32), mask=smask)
-                        rearm(my_rs + srows, sm2, DTYPE)
-                        # ---- the program completing token t normalizes the row
-                        old = tl.atomic_add(cnt_ptr + t, 1)  # acq_rel: sees the others' sum32/sq
-                        if old == SLICES - 1:
-                            tl.store(cnt_ptr + t, 0)
-                            ss = tl.load(sq_ptr + t * SQ_STRIDE, volatile=True)
-                            for j in range(1, SLICES):  # slice order: deterministic
-                                ss += tl.load(sq_ptr + t * SQ_STRIDE + j, volatile=True)
-                            # the shared statistic (numerics.py): every tier rounds the latent alike
-                            rstd = rms_rstd(ss, LATENT, eps)
-                            for j in range(SLICES):
-                                cj = j * BLOCK_L + offs_l
-                                mj = cj < LATENT
-                                xs = tl.load(sum_ptr + t * LATENT + cj, mask=mj, other=0.0, volatile=True)
-                                g = tl.load(gamma_ptr + cj, mask=mj, other=0.0).to(tl.float32)
-                                tl.store(normed_ptr + t * LATENT + cj, round_to(xs * rstd * g, DTYPE), mask=mj)
+                    sacc = rank_sum64(my_rs + t * W * SHARD + cs, SHARD, smask, W)
+                    tl.store(rs32_ptr + t * n_own + cs, sacc.to(tl.float32), mask=smask)
+                    rearm(my_rs + srows, sm2, DTYPE)
+                    # ---- the program completing token t normalizes the row
+                    old = tl.atomic_add(cnt_ptr + t, 1)  # acq_rel: sees the others' sum32/sq
+                    if old == SLICES - 1:
+                        tl.store(cnt_ptr + t, 0)
+                        ss = tl.load(sq_ptr + t * SQ_STRIDE, volatile=True)
+                        for j in range(1, SLICES):  # slice order: deterministic
+                            ss += tl.load(sq_ptr + t * SQ_STRIDE + j, volatile=True)
+                        # the shared statistic (numerics.py): every tier rounds the latent alike
+                        rstd = rms_rstd(ss, LATENT, eps)
+                        for j in range(SLICES):
+                            cj = j * BLOCK_L + offs_l
+                            mj = cj < LATENT
+                            xs = tl.load(sum_ptr + t * LATENT + cj, mask=mj, other=0.0, volatile=True)
+                            g = tl.load(gamma_ptr + cj, mask=mj, other=0.0).to(tl.float32)
+                            tl.store(normed_ptr + t * LATENT + cj, round_to(xs * rstd * g, DTYPE), mask=mj)
             item += nprog
 
 
