@@ -157,6 +157,8 @@ for rec in json.load(sys.stdin):
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert ".target sm_90" in k.asm["ptx"], rec["name"]
         print("compiled", rec["name"], "pdl" if pdl else "no-pdl", "multicast" if mc else "", flush=True)
+        polls = k.asm["ptx"].count("ld.volatile.global.v")
+        print("polls", rec["name"], "vector" if polls else "scalar", polls, flush=True)
         for loop, voted, bad in spin_loops(k.asm["ptx"]):
             print("spin", rec["name"], loop, "voted" if voted else "UNVOTED", *bad, flush=True)
 '''
@@ -326,3 +328,8 @@ def test_every_launched_variant_compiles_for_sm90():
     assert {"oneshot_allreduce_kernel", "finalize_ar_norm_kernel", "barrier_kernel", "tail_a_kernel",
             "tail_c_kernel"} <= waiting, spins
     assert not [ln for ln in spins if "UNVOTED" in ln], "spin loops without a CTA-wide vote:\n" + "\n".join(spins)
+    # Polls of 16-byte aligned slots are vector loads (lamport.region_ptr: the alignment hint on the pointer;
+    # scalar volatile polls are issued a pair at a time, ~14 us per work item of kernel A on the H100)
+    polls = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("polls ")]
+    vector = {p[1] for p in polls if p[2] == "vector"}
+    assert {"oneshot_allreduce_kernel", "finalize_ar_norm_kernel", "tail_a_kernel", "tail_c_kernel"} <= vector, polls

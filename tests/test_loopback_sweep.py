@@ -7,7 +7,8 @@ the GPU (the deferred triple, -0.0 sprinkled in, NaN in the expert rows nothing 
 
 * the ranks' outputs are bitwise equal;
 * every tier's output is bitwise equal to SEPARATE_REDUCE's (the same token gets the same bits in
-  every tier, DESIGN §10; where not, the message says how far, in ulp and against the noise floor);
+  every tier with ``batch_invariant=True``, DESIGN §10; where not, the message says how far, in ulp and
+  against the noise floor);
 * sampled rows (both ends, both sides of every 64-row launch boundary, random ones) against the fp64
   reference (``testing.check_tail``: >= 99.9 % within 1 ulp + tie slack), with the signed bias.
 
@@ -96,7 +97,9 @@ def test_gpu_loopback_sweep_every_tier(W):
     t0 = time.monotonic()
     world = k3tail.LoopbackWorld(W)
     dev = world.device
-    cfg = k3tail.TailConfig(max_tokens=max(MS))
+    # batch_invariant: the cross-tier bit equality below is that mode's guarantee (by default TAIL_FUSION's
+    # decode GEMV at M <= 4 gives other bits, within the tier bound: test_tail checks it on the GPU)
+    cfg = k3tail.TailConfig(max_tokens=max(MS), batch_invariant=True)
     mods = world.build(lambda r: k3tail.K3MoETail(cfg, world.group(r), prefix=f"gpu.sweep{W}.layers.0"))
     from k3tail.ops.prefill import shard_bounds
     bh = shard_bounds(K3["hidden"], W)

@@ -36,7 +36,8 @@ only waits for items that the peers' program p handles in the same order.
 import triton
 import triton.language as tl
 
-from .lamport import arm, await_slots, canonicalize, finish_launch, now_ns, peer_ptr, rearm, round_to, start_gate
+from .lamport import (arm, await_slots, canonicalize, finish_launch, now_ns, peer_ptr, rearm, region_ptr, round_to,
+                      start_gate)
 from .numerics import rank_sum64
 
 
@@ -63,7 +64,7 @@ def oneshot_allreduce_kernel(
     srcs = tl.arange(0, W_P2)
     smask = srcs < W
     my_base = peer_ptr(table_ptr, rank, DTYPE)
-    my_tags = (tl.load(table_ptr + rank) + TAG_OFF).to(tl.pointer_type(tl.int32))
+    my_tags = region_ptr(table_ptr, rank, TAG_OFF, tl.int32)
     n_items = M * CHUNKS
     # the finalize that produced x may have met an index out of range (status): then publish nothing
     if start_gate(fault_ptr, ftab_ptr, host_flag_ptr, status_ptr, tag, rank, W):
@@ -82,7 +83,7 @@ def oneshot_allreduce_kernel(
             tag_off = ((stage * W + rank) * MAX_TOKENS + t) * CHUNKS + c
             for d in tl.static_range(W):
                 tl.store(peer_ptr(table_ptr, d, DTYPE) + slot_off + col, x, mask=cmask)
-                tl.store((tl.load(table_ptr + d) + TAG_OFF).to(tl.pointer_type(tl.int32)) + tag_off, tag)
+                tl.store(region_ptr(table_ptr, d, TAG_OFF, tl.int32) + tag_off, tag)
             item += nprog
         # Phase 2: poll the local slots and tags of all W sources, check the tags, sum in rank
         # order, re-arm.

@@ -92,7 +92,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (arm, await_slots, canonicalize, check_start, fault_record, finish_launch, idx_in_range, now_ns,
-                      post_fault, rearm, round_to)
+                      post_fault, rearm, region_ptr, round_to)
 from .numerics import rank_sum64, rms_rstd, routed32, sq64
 
 
@@ -113,16 +113,14 @@ def _publish(table_ptr, off, x, cmask, W: tl.constexpr):
     """Store chunk ``x`` at element offset ``off`` (in units of ``x``'s dtype) of every rank's
     region, itself included: the Lamport publish."""
     for d in tl.static_range(W):
-        peer = tl.load(table_ptr + d).to(tl.pointer_type(x.dtype))
-        tl.store(peer + off, x, mask=cmask)
+        tl.store(region_ptr(table_ptr, d, 0, x.dtype) + off, x, mask=cmask)
 
 
 @triton.jit
 def _publish_tag(table_ptr, TAG_OFF: tl.constexpr, off, tag, W: tl.constexpr):
     """Store the call tag into tag slot ``off`` (int32 elements from TAG_OFF) of every rank."""
     for d in tl.static_range(W):
-        peer = (tl.load(table_ptr + d) + TAG_OFF).to(tl.pointer_type(tl.int32))
-        tl.store(peer + off, tag)
+        tl.store(region_ptr(table_ptr, d, TAG_OFF, tl.int32) + off, tag)
 
 
 @triton.jit
@@ -198,9 +196,9 @@ def finalize_ar_norm_kernel(
     if W > 1:
         deadline = now_ns(clock_ptr, USE_GLOBALTIMER) + timeout_ns
         stage = tl.load(ctrl_ptr + 0, volatile=True)
-        my32 = tl.load(table_ptr + rank).to(tl.pointer_type(tl.float32))
-        my16 = tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE)) + OFF16
-        my_tags = (tl.load(table_ptr + rank) + TAG_OFF).to(tl.pointer_type(tl.int32))
+        my32 = region_ptr(table_ptr, rank, 0, tl.float32)  # 16-byte aligned: the polls vectorize
+        my16 = region_ptr(table_ptr, rank, 0, DTYPE) + OFF16
+        my_tags = region_ptr(table_ptr, rank, TAG_OFF, tl.int32)
     go = True
     if W > 1:
         go = check_start(fault_ptr, host_flag_ptr)

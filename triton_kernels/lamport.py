@@ -204,12 +204,25 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def region_ptr(table_ptr, rank, OFF: tl.constexpr, DTYPE: tl.constexpr):
+    """Pointer to byte ``OFF`` (a multiple of 16) of ``rank``'s region from the peer table, typed
+    ``DTYPE``.  Region bases are at least 16-byte aligned (page-aligned allocations); telling the
+    compiler lets it vectorize the remote stores and local polls.  The hint must sit on the base
+    pointer, the offset added after it: on the integer before the cast, or on ``(base + OFF)`` cast,
+    it is lost (Triton 3.6-3.9), and every slot access stays a 32-bit (or 16-bit) load.  That matters
+    most for polls: ptxas keeps volatile loads in order and issues them a pair at a time, so 32 scalar
+    polls of a [8, 512] fp32 tile per thread cost 16 round trips to L2 where 8 vector polls cost 4
+    (kernel A: ~14 us per work item on the H100, issue 29)."""
+    tl.static_assert(OFF % 16 == 0, "region offsets are 16-byte aligned")
+    base = tl.multiple_of(tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE)), 16)
+    return base + OFF // (DTYPE.primitive_bitwidth // 8)
+
+
+@triton.jit
 def peer_ptr(table_ptr, rank, DTYPE: tl.constexpr):
-    """Base pointer of ``rank``'s region from the peer table, typed ``DTYPE``.  Region bases
-    are at least 16-byte aligned (page-aligned allocations); telling the compiler lets it
-    vectorize the remote stores and local polls."""
-    base = tl.multiple_of(tl.load(table_ptr + rank), 16)
-    return base.to(tl.pointer_type(DTYPE))
+    """Base pointer of ``rank``'s region from the peer table, typed ``DTYPE`` (16-byte aligned:
+    :func:`region_ptr`)."""
+    return region_ptr(table_ptr, rank, 0, DTYPE)
 
 
 @triton.jit

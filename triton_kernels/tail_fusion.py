@@ -122,7 +122,7 @@ import triton
 import triton.language as tl
 
 from .lamport import (NO_RANK_C, arm, await_slots, canonicalize, check_start, fault_record, idx_in_range, now_ns,
-                      post_fault, rearm, round_to, settle, shard_of, shard_owner, wait_slots)
+                      post_fault, rearm, region_ptr, round_to, settle, shard_of, shard_owner, wait_slots)
 from .numerics import finalize32, rank_sum64, rms_rstd, sq64
 from .tail_fusion_b import tail_b_kernel  # noqa: F401 - kernel B, re-exported
 
@@ -150,10 +150,10 @@ def tail_a_kernel(
         tl.extra.cuda.gdc_wait()
     deadline = now_ns(clock_ptr, USE_GLOBALTIMER) + timeout_ns
     DTYPE = shared_ptr.dtype.element_ty
-    my_addr = tl.load(table_ptr + rank)
-    my_routed = my_addr.to(tl.pointer_type(tl.float32))
-    my_rs = (my_addr + RS_BYTES).to(tl.pointer_type(DTYPE))
-    my_tags = (my_addr + TAG_BYTES).to(tl.pointer_type(tl.int32))
+    # 16-byte aligned (lamport.region_ptr): the slot polls and stores vectorize
+    my_routed = region_ptr(table_ptr, rank, 0, tl.float32)
+    my_rs = region_ptr(table_ptr, rank, RS_BYTES, DTYPE)
+    my_tags = region_ptr(table_ptr, rank, TAG_BYTES, tl.int32)
     srcs = tl.arange(0, W_P2)
     wmask = srcs < W
     offs_l = tl.arange(0, BLOCK_L)
@@ -184,9 +184,8 @@ def tail_a_kernel(
                 x = canonicalize(x * routed_scale)
                 slot = (t * W + rank) * LATENT + col
                 for d in tl.static_range(W):
-                    peer = tl.load(table_ptr + d).to(tl.pointer_type(tl.float32))
-                    tl.store(peer + slot, x, mask=lmask)
-                    peer_tags = (tl.load(table_ptr + d) + TAG_BYTES).to(tl.pointer_type(tl.int32))
+                    tl.store(region_ptr(table_ptr, d, 0, tl.float32) + slot, x, mask=lmask)
+                    peer_tags = region_ptr(table_ptr, d, TAG_BYTES, tl.int32)
                     tl.store(peer_tags + (t * W + rank) * SQ_STRIDE + s, tag)
                 # ---- slice s of column shard d of shared[t] -> rs slot (t, rank) of rank d
                 cs = s * BLOCK_S + offs_s
@@ -194,7 +193,7 @@ def tail_a_kernel(
                     lo_d, n_d = shard_of(d, HIDDEN, W)
                     dmask = cs < n_d
                     v = canonicalize(tl.load(shared_ptr + t * HIDDEN + lo_d + cs, mask=dmask, other=0.0))
-                    peer_rs = (tl.load(table_ptr + d) + RS_BYTES).to(tl.pointer_type(DTYPE))
+                    peer_rs = region_ptr(table_ptr, d, RS_BYTES, DTYPE)
                     tl.store(peer_rs + (t * W + rank) * SHARD + cs, v, mask=dmask)
             item += nprog
         # Phase 2: consume the same items in the same order.  An item this rank did not publish (INDEX above)
@@ -262,7 +261,7 @@ def tail_c_kernel(
         tl.extra.cuda.gdc_wait()
     deadline = now_ns(clock_ptr, USE_GLOBALTIMER) + timeout_ns
     DTYPE = out_ptr.dtype.element_ty
-    mb = (tl.load(table_ptr + rank) + MB_BYTES).to(tl.pointer_type(DTYPE))
+    mb = region_ptr(table_ptr, rank, MB_BYTES, DTYPE)
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK - 1) // BLOCK
     offs = tl.arange(0, BLOCK)
     no_tag_ptrs = fault_ptr + tl.arange(0, 2)  # C carries no tag (module docstring)
