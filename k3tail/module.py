@@ -681,9 +681,15 @@ class K3MoETail(nn.Module):
         min == -min(-x) iff every rank has the same value."""
         W = self.world_size
         f = [int(seq), self._layer_id, int(M), int(path)]
-        v = torch.tensor([_OK] * W + f + [-x for x in f], dtype=torch.int64, device=self._ctx.coll.device)
-        v[self.rank] = status
-        return v
+        vals = [_OK] * W + f + [-x for x in f]
+        vals[self.rank] = status
+        dev = self._ctx.coll.device
+        if dev.type != "cuda":
+            return torch.tensor(vals, dtype=torch.int64, device=dev)
+        # A pinned host tensor copied without a host sync (``torch.tensor(..., device=cuda)`` copies from
+        # pageable memory and synchronizes the stream); the caching host allocator keeps the block until the
+        # copy ran, so no later call can overwrite it early.
+        return torch.tensor(vals, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
 
     def _header(self, seq: int, M: int, plan: Plan, x: TailInputs) -> bool:
         """The group header of a call (collectives of kind ``group``); raises the fault it reveals.
@@ -692,22 +698,23 @@ class K3MoETail(nn.Module):
         collectives stay paired: the MIN is the same everywhere) and the group is faulted after it."""
         g, W, r = self._group, self.world_size, self.rank
         v = self._header_vec(seq=seq, M=M, path=_PATHS.index(plan.path))
-        word = g.fault_ws.fault_word()  # a peer posted a fault (it gave up on us): relay it, then raise it
-        if word:
-            v[r] = _RELAY
+        # This rank's status slot, decided on the device (no host read before the header: the header's own
+        # result is the call's only one): _RELAY when the fault word holds a record (a peer gave up on us:
+        # relay it, then raise it), else on CUDA the index check (check_indices runs on CPU tensors only)
+        word = g.fault_ws.fault_word_view().to(v.device, non_blocking=True)
+        status = torch.full((), _OK, dtype=torch.int64, device=v.device)
         idx = x.expanded_idx
-        if not word and v.device.type == "cuda" and idx is not None and idx.numel():
-            # the device's index check (check_indices runs on CPU tensors only): one more tiny kernel
-            # before the header, whose result the host reads anyway
+        if v.device.type == "cuda" and idx is not None and idx.numel():
             ok = (idx.min() >= -1) & (idx.max() < x.expert_out.shape[0])
-            v[r] = torch.where(ok, _OK, _FAILED)
+            status = torch.where(ok.to(v.device), status, _FAILED)
+        v[r] = torch.where(word != 0, _RELAY, status)
 
         def on_late():
             post_abort(g.fault_ws, _CODES["timeout"], None, r)
 
         g.headers += 1
         res, late = self._ctx.coll.header(v, self.timeout_s, on_late)
-        if word:
+        if int(res[r]) == _RELAY:  # this rank's slot: the fault word held a record (no peer writes it lower)
             raise g.fault_ws.error("K3MoETail", self.timeout_s, before=False)
         failed = [i for i in range(W) if int(res[i]) == _FAILED]
         relays = [i for i in range(W) if int(res[i]) == _RELAY]

@@ -162,6 +162,11 @@ class Workspace:
         """The fault word (packed record; 0 = healthy) of the fault block (a device read: syncs)."""
         return int(self.fault_blk[CTRL_POISON].item())
 
+    def fault_word_view(self) -> torch.Tensor:
+        """The fault word as a 0-dim int32 view on the device (reading it into a kernel or a torch op
+        does not sync the host: what the group header folds into a rank's status slot)."""
+        return self.fault_blk[CTRL_POISON]
+
     def fault_word_of_this_call(self) -> int:
         """The fault word if its record belongs to this rank's current call (its device call count)
         or an earlier one, else 0: a peer's record of a later call is obeyed from that call on, the
