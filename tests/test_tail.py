@@ -500,3 +500,16 @@ def test_multicast_store_gating():
         assert not tail._multicast_ok(3)      # odd shard: a pair would straddle ranks
     finally:
         tail.ws, tail.shard = real_ws, 64
+
+
+def test_probe_tail_a_edits_still_apply():
+    """``bench/probe_tail_a.py`` times kernel A with one stage edited out of a copy of its source; each edit
+    must match today's kernel exactly once (else the probe would stop or time the unedited kernel)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "probe_tail_a.py"
+    r = subprocess.run([sys.executable, str(script), "--check-edits"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("kernel imported") == 7, r.stdout

@@ -1,0 +1,147 @@
+"""Where kernel A's time goes in loopback (issue 29): the loopback W = 8 TAIL_FUSION graph replay
+(``bench_tail.bench_tail_loopback``, with the per-kernel profile) with kernel A built from an edited copy
+of the package's kernel sources, one stage left out at a time.
+
+    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm fp32sum] [--W 8]
+                                  [--tactics '{"a_slices": 4}'] [--name probe_tail_a] [--out bench/results]
+    python3 bench/probe_tail_a.py --check-edits     # CPU: the edits still apply to today's kernels
+
+A diagnostic, not a benchmark of k3tail: every variant but ``base`` is wrong on purpose (no CTA-wide
+vote, no tag check, no wait, ...), so its outputs are garbage and only its time means something; the
+difference to ``base`` is what that stage costs.  Only kernel A is replaced (``k3tail.ops.tail._A``);
+B, C and everything else run the package's own code.  Each edit must apply exactly once to the copied
+source, so a variant cannot silently measure the unedited kernel.
+
+Variants (the edit, on the copy):
+  base     no edit (the same kernel as the package's, compiled from the copy)
+  novote   ``lamport.cta_any`` returns the thread's own flag (no ``bar.red.or``; races, see lamport.py)
+  notag    A's routed wait ignores the tag slots (they are still published and re-armed)
+  nowait   A's routed wait is skipped (A sums whatever the slots hold): A's own work without the peers
+  nors     A's wait for the shared (rs) slots is skipped
+  nonorm   no program normalizes a token (the arrival counter is never met)
+  fp32sum  the rank-order sum of the routed slots in fp32 (``numerics.rank_sum64``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+from k3tail.testing import no_multicast
+
+no_multicast()  # before any GPU work (DESIGN §8)
+import torch  # noqa: E402
+
+import k3tail.triton_kernels as _tk  # noqa: E402
+from k3tail.ops import tail as _tail  # noqa: E402
+from k3tail.runtime import launch as L  # noqa: E402
+from k3tail.tools.bench_results import results_meta  # noqa: E402
+
+# (file, old text, new text): each old text must occur exactly once in its file
+EDITS = {
+    "base": [],
+    "novote": [("lamport.py", "    if INTERPRET:\n        r = flag != 0\n", "    if True:\n        r = flag != 0\n")],
+    "notag": [("tail_fusion.py", "await_slots(my_routed + rrows, rmask, tptrs, wmask, tag,",
+               "await_slots(my_routed + rrows, rmask, tptrs, srcs < 0, tag,")],
+    "nowait": [("tail_fusion.py",
+                "            if await_slots(my_routed + rrows, rmask, tptrs, wmask, tag, fault_ptr, ftab_ptr, "
+                "host_flag_ptr,\n                           clock_ptr, deadline, rank, W, USE_GLOBALTIMER):",
+                "            if True:")],
+    "nors": [("tail_fusion.py",
+              "                if await_slots(my_rs + srows, sm2, tptrs, no_tag, tag, fault_ptr, ftab_ptr, "
+              "host_flag_ptr,\n                               clock_ptr, deadline, rank, W, USE_GLOBALTIMER):",
+              "                if True:")],
+    "nonorm": [("tail_fusion.py", "if old == SLICES - 1:", "if old == -7:")],
+    "fp32sum": [("numerics.py",
+                 "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
+                 "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)",
+                 "    acc = tl.zeros(ptrs.shape, dtype=tl.float32)\n    for src in tl.static_range(W):\n"
+                 "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, "
+                 "volatile=True).to(tl.float32)")],
+}
+
+
+def variant_kernel(name: str, root: str):
+    """``tail_a_kernel`` of a copy of the package's kernel folder with ``EDITS[name]`` applied."""
+    pkg = f"k3probe_{name}"
+    dst = os.path.join(root, pkg)
+    shutil.copytree(os.path.dirname(_tk.__file__), dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for fname, old, new in EDITS[name]:
+        path = os.path.join(dst, fname)
+        with open(path) as f:
+            src = f.read()
+        if src.count(old) != 1:
+            raise SystemExit(f"variant {name}: the edit of {fname} matches {src.count(old)} times (expected 1); "
+                             f"the kernel changed: update EDITS")
+        with open(path, "w") as f:
+            f.write(src.replace(old, new))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"{pkg}.tail_fusion").tail_a_kernel
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=list(EDITS), choices=list(EDITS))
+    ap.add_argument("--W", type=int, default=8)
+    ap.add_argument("--tactics", default=None, help="LatentTail tactics (JSON) for every variant")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="probe_tail_a")
+    ap.add_argument("--check-edits", action="store_true",
+                    help="only apply every variant's edits to a copy and import it (no GPU needed): the probe "
+                         "still matches the kernels")
+    args = ap.parse_args()
+    if args.check_edits:
+        root = tempfile.mkdtemp(prefix="k3probe_")
+        try:
+            for v in args.variants:
+                variant_kernel(v, root)
+                print(f"variant {v}: {len(EDITS[v])} edit(s) applied, kernel imported")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("probe_tail_a needs a CUDA GPU")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_tail import bench_tail_loopback
+
+    lines, rows = [], {}
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    tactics = json.loads(args.tactics) if args.tactics else None
+    orig = _tail._A
+    root = tempfile.mkdtemp(prefix="k3probe_")
+    try:
+        for v in args.variants:
+            _tail._A = L.kernel(variant_kernel(v, root))
+            log(f"== variant {v}")
+            try:
+                rows[v] = bench_tail_loopback(log, W=args.W, tactics=tactics, profile_kernels=True)
+            except Exception as e:  # a variant without waits may fault: report it, go on (each variant
+                log(f"variant {v} failed: {type(e).__name__}: {e}")  # builds its own loopback world)
+    finally:
+        _tail._A = orig
+        shutil.rmtree(root, ignore_errors=True)
+    base = {r["M"]: r["fused_us"] for r in rows.get("base", [])}
+    for v, rs in rows.items():
+        log(f"{v:8s} " + "  ".join(f"M={r['M']}: {r['fused_us']:.1f} us"
+                                   + (f" ({r['fused_us'] - base[r['M']]:+.1f})" if r["M"] in base else "")
+                                   for r in rs))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.name}.json")
+    with open(path, "w") as f:
+        json.dump({**results_meta(loopback=True), "W": args.W, "tactics": tactics, "edits": EDITS,
+                   "figures": rows, "log": lines}, f, indent=1, default=str)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
