@@ -131,6 +131,15 @@ PAD_BYTES_SIZE = 4096
 TAG_SLICES = 64     # tag slots per (token, source): the most A slices per token
 
 
+@triton.jit
+def _a_item(item, offs_l, SLICES: tl.constexpr, BLOCK_L: tl.constexpr, LATENT: tl.constexpr):
+    """Kernel A's work item ``item`` = (token t, slice s): ``(t, s, latent columns, their mask)``."""
+    t = item // SLICES
+    s = item % SLICES
+    col = s * BLOCK_L + offs_l
+    return t, s, col, col < LATENT
+
+
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "tag", "R"])
 def tail_a_kernel(
     routed_ptr, eo_ptr, ew_ptr, idx_ptr, shared_ptr, gamma_ptr,
@@ -165,10 +174,7 @@ def tail_a_kernel(
         # is paid once per launch, not once per item; module docstring, (A) "Phases").
         item = pid
         while item < n_items:
-            t = item // SLICES
-            s = item % SLICES
-            col = s * BLOCK_L + offs_l
-            lmask = col < LATENT
+            t, s, col, lmask = _a_item(item, offs_l, SLICES, BLOCK_L, LATENT)
             good = True
             if DEFERRED:
                 # an index out of range is never dereferenced: post INDEX, publish nothing of this item
@@ -201,10 +207,7 @@ def tail_a_kernel(
         # it is summed.
         item = pid
         while item < n_items:
-            t = item // SLICES
-            s = item % SLICES
-            col = s * BLOCK_L + offs_l
-            lmask = col < LATENT
+            t, s, col, lmask = _a_item(item, offs_l, SLICES, BLOCK_L, LATENT)
             cs = s * BLOCK_S + offs_s
             # ---- poll local routed slots (t, 0..W-1) and their tags, check the tags,
             #      rank-order fp64 sum -> fp32, re-arm
