@@ -32,6 +32,7 @@ no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
 import k3tail  # noqa: E402
+from k3tail import reference as R  # noqa: E402
 from k3tail import testing as T  # noqa: E402
 from k3tail.ops.tail import GEMV_MAX_M, LatentTail, shard_gemm  # noqa: E402
 from k3tail.tools.bench_results import results_meta  # noqa: E402
@@ -172,6 +173,44 @@ def kernel_profile(fn, n: int = 20, top: int = 8, graph: bool = False) -> list:
     return rows[:top]
 
 
+def check_outputs(world, tails, wfull, wshard, prefix, shared, gamma, routed, trip) -> dict:
+    """The timed tails' outputs, one eager call of each form (routed, deferred triple): every rank's bits
+    equal, and rank 0's against the fp64 reference (``testing.check_tail``: 1 ulp + tie slack, or the
+    projection's fp32 noise floor).  A timing of a wrong kernel is no timing: the summary says FAILED."""
+    W = len(tails)
+    out = {}
+    for form in ("routed", "deferred"):
+        if form == "routed":
+            ys = world.run(lambda r: tails[r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
+                                              up_weight=wshard[r], routed=routed[r]))
+            parts = [R.rank_partial(routed=routed[r].cpu()) for r in range(W)]
+        else:
+            ys = world.run(lambda r: tails[r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
+                                              up_weight=wshard[r], expert_out=trip[r][0], expert_weights=trip[r][1],
+                                              expanded_idx=trip[r][2]))
+            parts = [R.rank_partial(expert_out=trip[r][0].cpu(), expert_weights=trip[r][1].cpu(),
+                                    expanded_idx=trip[r][2].cpu()) for r in range(W)]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        ys = [y.cpu() for y in ys]
+        ranks_equal = all(torch.equal(ys[0].view(torch.int16), y.view(torch.int16)) for y in ys[1:])
+        try:
+            st = T.check_tail(ys[0], prefix_hidden=prefix.cpu(), partials=parts, shared=[x.cpu() for x in shared],
+                              norm_weight=gamma.cpu(), up_weight=wfull.cpu(), eps=1e-5, noise_floor=True,
+                              what=form)
+            err = None
+        except AssertionError as e:
+            st, err = {}, str(e)
+        out[form] = dict(ranks_equal=ranks_equal, error=err, **{k: st[k] for k in ("max_ulp", "rel_bias",
+                                                                                 "frac_within_bound") if k in st})
+    ok = all(v["ranks_equal"] and v["error"] is None for v in out.values())
+    out["summary"] = ("ok (ranks bitwise equal; fp64: max " + " / ".join(
+        f"{v['max_ulp']:.2f}" for v in out.values() if isinstance(v, dict) and "max_ulp" in v) + " ulp)") if ok \
+        else "CHECK FAILED: " + "; ".join(f"{k}: ranks equal {v['ranks_equal']}, {v['error']}" for k, v in out.items()
+                                          if isinstance(v, dict))
+    return out
+
+
 def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False,
                         batch_invariant: bool = False) -> list:
     from k3tail.ops.allreduce import OneShotAllReduce
@@ -228,9 +267,10 @@ def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = F
                 t.check()
         row = dict(W=W, M=M, fused_us=t_f, fused_deferred_us=t_fd, composed_us=t_c, ratio=t_c / t_f,
                    ratio_deferred=t_c / t_fd, tactics=tactics or "default", batch_invariant=batch_invariant)
+        row["check"] = check_outputs(world, tails[0], wfull[0], wshard[0], prefix, shared, gamma, routed, trip)
         log(f"loopback W={W} M={M} (tactics {tactics or 'default'}, batch_invariant={batch_invariant}): "
             f"TAIL_FUSION {t_f:.1f} us "
-            f"(deferred {t_fd:.1f} us), composed {t_c:.1f} us, x{row['ratio']:.2f}")
+            f"(deferred {t_fd:.1f} us), composed {t_c:.1f} us, x{row['ratio']:.2f}; outputs {row['check']['summary']}")
         if profile_kernels:
             for mode in ("graph", "eager"):
                 row[f"kernels_{mode}"] = kernel_profile(fused(False), graph=mode == "graph")
