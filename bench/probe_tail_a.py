@@ -20,6 +20,10 @@ Variants (the edit, on the copy):
   nors     A's wait for the shared (rs) slots is skipped
   nonorm   no program normalizes a token (the arrival counter is never met)
   fp32sum  the rank-order sum of the routed slots in fp32 (``numerics.rank_sum64``)
+  tilesum  a candidate fix, not an ablation: ``rank_sum64`` loads the W rows as one tile (one burst of
+           vector loads) and adds them in rank order, each row picked out by a masked sum (one value
+           plus zeros: the same bits); today each row's add waits for its load before the next load
+           issues (bench/results/issue29/rank_sum_tile.patch is the same change for the package)
 """
 
 from __future__ import annotations
@@ -57,6 +61,15 @@ EDITS = {
               "host_flag_ptr,\n                               clock_ptr, deadline, rank, W, USE_GLOBALTIMER):",
               "                if True:")],
     "nonorm": [("tail_fusion.py", "if old == SLICES - 1:", "if old == -7:")],
+    "tilesum": [("numerics.py",
+                 "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
+                 "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)",
+                 "    W_P2: tl.constexpr = 1 << (W - 1).bit_length() if W > 1 else 1\n"
+                 "    srcs = tl.arange(0, W_P2)\n"
+                 "    tile = tl.load(ptrs[None, :] + srcs[:, None] * src_stride, mask=(srcs[:, None] < W) & "
+                 "mask[None, :], other=0.0, volatile=True).to(tl.float64)\n"
+                 "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
+                 "        acc += tl.sum(tl.where(srcs[:, None] == src, tile, 0.0), axis=0)")],
     "fp32sum": [("numerics.py",
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
                  "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)",
