@@ -173,42 +173,46 @@ def kernel_profile(fn, n: int = 20, top: int = 8, graph: bool = False) -> list:
     return rows[:top]
 
 
+def tail_kwargs(r, deferred, prefix, shared, gamma, wshard, routed, trip) -> dict:
+    """Rank ``r``'s arguments of one TAIL_FUSION call: the routed partial, or the deferred finalize triple."""
+    kw = dict(prefix_hidden=prefix, shared=shared[r], norm_weight=gamma, up_weight=wshard[r])
+    if deferred:
+        return dict(kw, expert_out=trip[r][0], expert_weights=trip[r][1], expanded_idx=trip[r][2])
+    return dict(kw, routed=routed[r])
+
+
 def check_outputs(world, tails, wfull, wshard, prefix, shared, gamma, routed, trip) -> dict:
     """The timed tails' outputs, one eager call of each form (routed, deferred triple): every rank's bits
     equal, and rank 0's against the fp64 reference (``testing.check_tail``: 1 ulp + tie slack, or the
     projection's fp32 noise floor).  A timing of a wrong kernel is no timing: the summary says FAILED."""
     W = len(tails)
-    out = {}
-    for form in ("routed", "deferred"):
-        if form == "routed":
-            ys = world.run(lambda r: tails[r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
-                                              up_weight=wshard[r], routed=routed[r]))
-            parts = [R.rank_partial(routed=routed[r].cpu()) for r in range(W)]
-        else:
-            ys = world.run(lambda r: tails[r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
-                                              up_weight=wshard[r], expert_out=trip[r][0], expert_weights=trip[r][1],
-                                              expanded_idx=trip[r][2]))
+    ref = dict(prefix_hidden=prefix.cpu(), shared=[x.cpu() for x in shared], norm_weight=gamma.cpu(),
+               up_weight=wfull.cpu(), eps=1e-5, noise_floor=True)
+    forms = {}
+    for form, deferred in (("routed", False), ("deferred", True)):
+        ys = world.run(lambda r: tails[r](**tail_kwargs(r, deferred, prefix, shared, gamma, wshard, routed, trip)))
+        if deferred:
             parts = [R.rank_partial(expert_out=trip[r][0].cpu(), expert_weights=trip[r][1].cpu(),
                                     expanded_idx=trip[r][2].cpu()) for r in range(W)]
+        else:
+            parts = [R.rank_partial(routed=routed[r].cpu()) for r in range(W)]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ys = [y.cpu() for y in ys]
         ranks_equal = all(torch.equal(ys[0].view(torch.int16), y.view(torch.int16)) for y in ys[1:])
         try:
-            st = T.check_tail(ys[0], prefix_hidden=prefix.cpu(), partials=parts, shared=[x.cpu() for x in shared],
-                              norm_weight=gamma.cpu(), up_weight=wfull.cpu(), eps=1e-5, noise_floor=True,
-                              what=form)
-            err = None
+            st, err = T.check_tail(ys[0], partials=parts, what=form, **ref), None
         except AssertionError as e:
             st, err = {}, str(e)
-        out[form] = dict(ranks_equal=ranks_equal, error=err, **{k: st[k] for k in ("max_ulp", "rel_bias",
-                                                                                 "frac_within_bound") if k in st})
-    ok = all(v["ranks_equal"] and v["error"] is None for v in out.values())
-    out["summary"] = ("ok (ranks bitwise equal; fp64: max " + " / ".join(
-        f"{v['max_ulp']:.2f}" for v in out.values() if isinstance(v, dict) and "max_ulp" in v) + " ulp)") if ok \
-        else "CHECK FAILED: " + "; ".join(f"{k}: ranks equal {v['ranks_equal']}, {v['error']}" for k, v in out.items()
-                                          if isinstance(v, dict))
-    return out
+        forms[form] = dict(ranks_equal=ranks_equal, error=err,
+                           **{k: st[k] for k in ("max_ulp", "rel_bias", "frac_within_bound") if k in st})
+    if all(v["ranks_equal"] and v["error"] is None for v in forms.values()):
+        summary = "ok (ranks bitwise equal; fp64: max " + " / ".join(f"{v['max_ulp']:.2f}" for v in forms.values()) \
+            + " ulp)"
+    else:
+        summary = "CHECK FAILED: " + "; ".join(f"{k}: ranks equal {v['ranks_equal']}, {v['error']}"
+                                              for k, v in forms.items())
+    return dict(forms, summary=summary)
 
 
 def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False,
@@ -239,13 +243,8 @@ def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = F
         def fused(deferred):
             def f():
                 li = st["l"] = (st["l"] + 1) % n_layers
-                if deferred:
-                    world.run(lambda r: tails[li][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
-                                                     up_weight=wshard[li][r], expert_out=trip[r][0],
-                                                     expert_weights=trip[r][1], expanded_idx=trip[r][2]))
-                else:
-                    world.run(lambda r: tails[li][r](prefix_hidden=prefix, shared=shared[r], norm_weight=gamma,
-                                                     up_weight=wshard[li][r], routed=routed[r]))
+                world.run(lambda r: tails[li][r](**tail_kwargs(r, deferred, prefix, shared, gamma, wshard[li], routed,
+                                                               trip)))
             return f
 
         def composed_rank(r, li):

@@ -46,6 +46,9 @@ from k3tail.ops import tail as _tail  # noqa: E402
 from k3tail.runtime import launch as L  # noqa: E402
 from k3tail.tools.bench_results import results_meta  # noqa: E402
 
+# numerics.rank_sum64's loop, the text the tilesum and fp32sum variants replace
+_RANK_SUM64 = ("    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
+               "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)")
 # (file, old text, new text): each old text must occur exactly once in its file
 EDITS = {
     "base": [],
@@ -62,8 +65,7 @@ EDITS = {
               "                if True:")],
     "nonorm": [("tail_fusion.py", "if old == SLICES - 1:", "if old == -7:")],
     "tilesum": [("numerics.py",
-                 "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
-                 "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)",
+                 _RANK_SUM64,
                  "    W_P2: tl.constexpr = 1 << (W - 1).bit_length() if W > 1 else 1\n"
                  "    srcs = tl.arange(0, W_P2)\n"
                  "    tile = tl.load(ptrs[None, :] + srcs[:, None] * src_stride, mask=(srcs[:, None] < W) & "
@@ -71,8 +73,7 @@ EDITS = {
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
                  "        acc += tl.sum(tl.where(srcs[:, None] == src, tile, 0.0), axis=0)")],
     "fp32sum": [("numerics.py",
-                 "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
-                 "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)",
+                 _RANK_SUM64,
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float32)\n    for src in tl.static_range(W):\n"
                  "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, "
                  "volatile=True).to(tl.float32)")],
