@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh t1 prefill       # named phases: t1 t2 t3 (the GPU tests in three parts),
 #                                            # prefill, bench, tiermap, tune, cli, pairing, sweep, invariance,
 #                                            # w8 (loopback W = 8 latency vs bench_tail.json), profile,
-#                                            # gemm, numerics (issue 29)
+#                                            # gemm, numerics, probe (issue 29)
 #   K3TAIL_COMMIT=<sha> bash bench/gpu_check.sh ...   (the device's copy carries a stale .git: pass the
 #   commit being measured, or the result files record the wrong one)
 #
@@ -78,6 +78,10 @@ for phase in $phases; do
     profile)  # issue 19: where one eager call's host time goes
       echo "== profile_host"; timeout ${PROFILE_TIMEOUT:-90} python3 bench/profile_host.py > "$OUT/profile_host.log" 2>&1
       grep -E "^== M" "$OUT/profile_host.log" ;;
+    probe)  # issue 29: kernel A with one stage edited out (bench/probe_tail_a.py), and candidate fixes
+      echo "== probe_tail_a"; timeout ${PROBE_TIMEOUT:-200} python3 bench/probe_tail_a.py --out bench/results \
+        --name probe_tail_a_${K3TAIL_COMMIT:-head} ${PROBE_ARGS:-} 2>&1 | tee -a "$OUT/probe.log" \
+        | grep -E "^[a-z0-9]+ +M=|failed|wrote|Error" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -90,12 +90,11 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
                 "b_gemv_max_m": GEMV_MAX_M,
                 "b_gemv_rows": max(1, min(GEMV_MAX_ROWS, p2(-(-hidden // W)), _GEMV_MAX_NUMEL // p2(latent))),
                 "b_gemv_warps": 4, "c_block": max(16, min(8192, p2(hidden))), "c_programs": 1}
-    # A: work items of 512 latent columns (7 per token at K3), the default the GPU tests passed with (8412ff5).
-    # Measured faster but not yet GPU-tested as the default: 1024 columns (a_slices 4 at K3).  H100 loopback
-    # W = 8 at 8412ff5 (bench/results/issue29/w8_8412ff5.json), TAIL_FUSION graph replay M = 1 / 4 / 16:
-    # 45.9 / 71.9 / 153.5 us with 4 slices, 44.6 / 89.8 / 203.5 with 7, 53.6 / 113.2 / 325.1 with 14 (kernel A
-    # pays a fixed cost per item, so fewer, wider items win while M * slices exceeds the grid).
-    slices = max(1, min(_SQ_STRIDE, -(-latent // 512)))
+    # A: work items of 1024 latent columns (4 per token at K3).  H100 loopback W = 8 at 8412ff5
+    # (bench/results/issue29/w8_8412ff5.json), TAIL_FUSION graph replay M = 1 / 4 / 16: 45.9 / 71.9 / 153.5 us
+    # with 4 slices, 44.6 / 89.8 / 203.5 with 7 (512 columns, the earlier default), 53.6 / 113.2 / 325.1 with 14
+    # (kernel A pays a fixed cost per item, so fewer, wider items win while M * slices exceeds the grid).
+    slices = max(1, min(_SQ_STRIDE, -(-latent // 1024)))
     # B: the projection family's decode tile (weights on the MMA's M side, pointer loads)
     # b_split: one program per chunk of the reduction tree (gemm.tree_chunks: 8 at K3), so a decode shard
     # streams its weights from 8x the programs (issue 29; the tree is the same at any b_split).  A chunk is
