@@ -229,7 +229,7 @@ def test_tactics_validation():
 
 # ------------------------------------------------------------------ sm_90 compile, no GPU
 _COMPILER = r'''
-import json, os, sys, time
+import json, os, re, sys, time
 os.environ["TRITON_INTERPRET"] = "0"
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -284,6 +284,8 @@ for name in sys.argv[1:]:
                      tma="cp.async.bulk.tensor" in ptx, cp_async="cp.async.cg" in ptx or "cp.async.ca" in ptx,
                      setmaxnreg="setmaxnreg" in ptx, shared=k.metadata.shared, warps=k.metadata.num_warps,
                      loops=k.asm["ttgir"].count("scf.for "),
+                     dot_waits=sorted({int(x) for x in re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)",
+                                                                   k.asm["ttgir"])}),
                      spills=spill_stores(ptx), seconds=round(time.time() - t0, 2))
 print("RESULT" + json.dumps(res))
 '''
@@ -332,6 +334,10 @@ def test_candidates_compile_for_sm90(half):
         tile_loop = int(t["variant"] == "tma")
         want = 1 if t.get("k_flat") else (1 if G.tree_chunks(3584) == 1 else 3)
         assert r["loops"] == want + tile_loop, (name, r["loops"], want + tile_loop)
+        if t.get("k_flat") and r["wgmma"]:
+            # the flat loop keeps one wgmma in flight (gemm._fold: no `acc = p` branch reading the dot's
+            # result every tile, which made Triton wait for all of them, pendings = 0 only)
+            assert 1 in r["dot_waits"], (name, r["dot_waits"])
     if half == 0:
         # the large-M default: TMA + wgmma; the decode default: an MMA, loads as its variant says
         big, small = G.DEFAULTS[None], G.DEFAULTS[16]

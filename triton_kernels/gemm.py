@@ -336,15 +336,16 @@ def chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, strid
 
 
 @triton.jit
-def _fold(acc, p, c, kt, CH: tl.constexpr):
-    """The flat K loop's step after tile ``kt`` (``c`` tiles of the running chunk, this one included):
-    at a chunk's last tile fold its partial ``p`` into ``acc`` in chunk order (the first chunk's
-    partial is ``acc``; later ones are added) and restart ``p`` from zero.  Returns ``(acc, p, c)``."""
+def _fold(acc, p, c, CH: tl.constexpr):
+    """The flat K loop's step after a tile (``c`` tiles of the running chunk, this one included): at a
+    chunk's last tile fold its partial ``p`` into ``acc`` in chunk order and restart ``p`` from zero.
+    ``acc`` starts at -0.0, so the first fold is ``acc = p`` bit for bit (-0.0 + x is x for every x,
+    +0.0 and -0.0 included) and the sums are the tree's.  One unconditional add, not an ``acc = p``
+    branch: with the branch Triton waits for every wgmma in the loop (sm_90 TTGIR
+    ``warp_group_dot_wait {pendings = 0}``); without it one stays in flight (``pendings = 1``; bench/
+    results/issue29/README.md).  Returns ``(acc, p, c)``."""
     if c == CH:
-        if kt == CH - 1:
-            acc = p
-        else:
-            acc = acc + p
+        acc = acc + p
         p = tl.zeros_like(p)
         c = 0
     return acc, p, c
@@ -367,11 +368,11 @@ def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stri
         since the tree came in (bench/results/issue29; the TTGIR shows it, no device profile yet).
       * ``FLAT = True`` (``K_UNROLL = 1``): one loop over all ``K_TILES`` tiles.  The running chunk
         ``p`` takes one :func:`_ptr_chunk` per tile; at a chunk's last tile it is folded into
-        ``acc`` (the first chunk: ``acc = p``; then ``acc = acc + p``) and restarts from zero: the
-        same dots into the same accumulators and the same adds, one loop for the pipeliner (one
-        ``scf.for`` in the sm_90 TTGIR, ``tests/test_gemm.py``).  Its cost: the fold reads ``p``
-        inside the loop, so Triton waits for each wgmma before the next (``pendings = 0``) where
-        the chunked form keeps one in flight; mma.sync tiles lose nothing."""
+        ``acc`` (``acc`` starts at -0.0, so the first fold is ``acc = p`` bit for bit; then
+        ``acc = acc + p``) and restarts from zero: the same dots into the same accumulators and the
+        same adds, one loop for the pipeliner (one ``scf.for`` in the sm_90 TTGIR,
+        ``tests/test_gemm.py``), with one wgmma in flight (``pendings = 1``; the wait for all of
+        them only in the fold's branch, at a chunk's end: :func:`_fold`)."""
     K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     CH: tl.constexpr = K_TILES // TREE_S
     tl.static_assert(CH * TREE_S == K_TILES, "TREE_S must divide the K tiles (tree_chunks)")
@@ -382,13 +383,13 @@ def k_loop_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stri
         a_ptrs = a_ptr + rm_ld[:, None] * stride_am + kcol[None, :] * stride_ak
         w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + kcol[None, :] * stride_wk
         p = chunk_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-        acc = p
+        acc = tl.full(p.shape, -0.0, tl.float32)
         c = 0  # tiles of the running chunk so far
         for kt in range(K_TILES):  # constexpr trip count: sequential, ascending
             p = _ptr_chunk(a_ptrs, w_ptrs, p, kt, rk, K, SWAP_AB)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
-            acc, p, c = _fold(acc, p, c + 1, kt, CH)
+            acc, p, c = _fold(acc, p, c + 1, CH)
     else:
         acc = chunk_ptr(a_ptr, w_ptr, rm_ld, rn_ld, stride_am, stride_ak, stride_wn, stride_wk, 0,
                         K, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
@@ -427,11 +428,11 @@ def k_loop_tma(a_desc, w_desc, off_m, off_n, K: tl.constexpr, TREE_S: tl.constex
     if FLAT:
         tl.static_assert(K_UNROLL == 1, "the flat K loop does not unroll")
         p = chunk_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-        acc = p
+        acc = tl.full(p.shape, -0.0, tl.float32)
         c = 0
         for kt in range(K_TILES):
             p = mma_chunk(a_desc.load([off_m, kt * BLOCK_K]), w_desc.load([off_n, kt * BLOCK_K]), p, SWAP_AB)
-            acc, p, c = _fold(acc, p, c + 1, kt, CH)
+            acc, p, c = _fold(acc, p, c + 1, CH)
     else:
         acc = chunk_tma(a_desc, w_desc, off_m, off_n, 0, CH, BLOCK_M, BLOCK_N, SWAP_AB, K_UNROLL)
         for s in range(1, TREE_S):
