@@ -195,14 +195,16 @@ CANDIDATES = {
 }
 
 # The fastest of the candidates that form one bit-class, per bucket of M (the largest M it serves; None:
-# the rest).  On the H100 at 9939b7f (bench/results/issue29/gemm_kf_9939b7f.json, Triton 3.6; all eight
-# timed candidates, the k_flat twins included, one bit-class over 2,256 rows): the flat K loop is faster
-# for the decode and small tiles (p_s16x16 1.2-1.5x, t_n64x64 1.04-1.2x) and slower for the 128x128 wgmma
-# tile (0.72-0.77x: a wgmma wait per tile), so the decode and small buckets take the _kf twins.
+# the rest).  On the H100 at 922ffeb (bench/results/issue29/gemm_{prefold,fold}_922ffeb.json, Triton 3.6, one
+# run each, one bit-class): with the flat loop's fold keeping a wgmma in flight (_fold) the k_flat twins win
+# everywhere they were timed: the 128x128 wgmma tile 1.64-1.78x faster than its flat form before the fold
+# change and 1.19-1.30x faster than the chunked 128x128 at M = 1024 / 8192 (N = 7168, M = 8192: 714.7 us
+# against 847.3; cuBLAS 529.4), t_n64x64 1.04-1.43x at M = 64..1024, p_s16x16 0.98-1.26x at M <= 16
+# (against the flat forms before the fold change).
 DEFAULTS = {
     16: "p_s16x16_w4_s16_kf",
     256: "t_n64x64_w4_s8_kf",
-    None: "t_n128x128_w8_s4_p",
+    None: "t_n128x128_w8_s4_p_kf",
 }
 
 
