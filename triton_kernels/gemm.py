@@ -192,6 +192,11 @@ CANDIDATES = {
     "t_n128x128_w8_s4_p_kf": (_t("tma", 128, 128, False, 8, 4, persistent=True, k_flat=True), (1024, 8192)),
     "t_n128x128_w8_s5_p_kf": (_t("tma", 128, 128, False, 8, 5, persistent=True, k_flat=True), (1024, 8192)),
     # (no 64x256 twin: the flat loop's live chunk and sum spill it, 40 bytes, ptxas sm_90)
+    # twins of the other M >= 64 tiles, timed since the fold keeps a wgmma in flight (d0d6be0)
+    "t_n64x128_w4_s6_kf": (_t("tma", 64, 128, False, 4, 6, k_flat=True), (64, 256, 1024)),
+    "t_n128x128_w8_s4_kf": (_t("tma", 128, 128, False, 8, 4, k_flat=True), (256, 1024, 8192)),
+    "t_n64x128_w4_s4_p_kf": (_t("tma", 64, 128, False, 4, 4, persistent=True, k_flat=True), (1024, 8192)),
+    "t_n128x128_w8_s3_p_kf": (_t("tma", 128, 128, False, 8, 3, persistent=True, k_flat=True), (1024, 8192)),
 }
 
 # The fastest of the candidates that form one bit-class, per bucket of M (the largest M it serves; None:
