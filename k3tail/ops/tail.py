@@ -94,6 +94,8 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     # (bench/results/issue29/w8_8412ff5.json), TAIL_FUSION graph replay M = 1 / 4 / 16: 45.9 / 71.9 / 153.5 us
     # with 4 slices, 44.6 / 89.8 / 203.5 with 7 (512 columns, the earlier default), 53.6 / 113.2 / 325.1 with 14
     # (kernel A pays a fixed cost per item, so fewer, wider items win while M * slices exceeds the grid).
+    # H200 at 96227e2 (bench/results/issue29/w8_96227e2.json): 40.0 / 68.7 / 145.5 us with 4 slices against
+    # 40.5 / 86.5 / 196.3 with 7; the GPU tests passed with 4 (test_tail, test_invariance).
     slices = max(1, min(_SQ_STRIDE, -(-latent // 1024)))
     # B: the projection family's decode tile (weights on the MMA's M side, pointer loads)
     # b_split: one program per chunk of the reduction tree (gemm.tree_chunks: 8 at K3), so a decode shard
