@@ -2,7 +2,7 @@
 (``bench_tail.bench_tail_loopback``, with the per-kernel profile) with kernel A built from an edited copy
 of the package's kernel sources, one stage left out at a time.
 
-    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm fp32sum] [--W 8]
+    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm tilesum unrollnorm fp32sum] [--W 8]
                                   [--tactics '{"a_slices": 4}'] [--name probe_tail_a] [--out bench/results]
     python3 bench/probe_tail_a.py --check-edits     # CPU: the edits still apply to today's kernels
 
@@ -20,6 +20,9 @@ Variants (the edit, on the copy):
   nors     A's wait for the shared (rs) slots is skipped
   nonorm   no program normalizes a token (the arrival counter is never met)
   fp32sum  the rank-order sum of the routed slots in fp32 (``numerics.rank_sum64``)
+  unrollnorm a candidate fix: the normalizing program's loops over the token's slices (the fp64 partial
+           statistics, then the rows) unrolled (``tl.static_range``): the same adds in the same order, but
+           their volatile loads no longer wait one round trip each
   tilesum  a candidate fix, not an ablation: ``rank_sum64`` loads the W rows as one tile (one burst of
            vector loads) and adds them in rank order, each row picked out by a masked sum (one value
            plus zeros: the same bits); today each row's add waits for its load before the next load
@@ -72,6 +75,9 @@ EDITS = {
                  "mask[None, :], other=0.0, volatile=True).to(tl.float64)\n"
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
                  "        acc += tl.sum(tl.where(srcs[:, None] == src, tile, 0.0), axis=0)")],
+    "unrollnorm": [("tail_fusion.py", "for j in range(1, SLICES):  # slice order",
+                    "for j in tl.static_range(1, SLICES):  # slice order"),
+                   ("tail_fusion.py", "for j in range(SLICES):", "for j in tl.static_range(SLICES):")],
     "fp32sum": [("numerics.py",
                  _RANK_SUM64,
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float32)\n    for src in tl.static_range(W):\n"
