@@ -116,8 +116,10 @@ def _rank_records(rank, W):
         LaneAllReduce(latent=Lt, hidden=H, max_tokens=4, top_k=K)(
             norm_weight=torch.ones(Lt, dtype=torch.bfloat16), shared=T.randn((M, H), torch.bfloat16, 20 + rank),
             expert_out=eo, expert_weights=w, expanded_idx=idx)
-        for key, tactics, inv in (("compile.w2", None, True), ("compile.w2.swap", {"b_swap_ab": True}, True),
-                                  ("compile.w2.gemv", None, False)):  # B: the tree both ways, the GEMV
+        # B: the tree both ways, the GEMV; A at 8 warps (a_warps)
+        for key, tactics, inv in (("compile.w2", None, True),
+                                  ("compile.w2.swap", {"b_swap_ab": True, "a_warps": 8}, True),
+                                  ("compile.w2.gemv", None, False)):
             LatentTail(hidden=H, latent=Lt, top_k=K, key=key, max_tokens=4, tactics=tactics, batch_invariant=inv)(
                 prefix_hidden=T.randn((M, H), torch.bfloat16, 7), shared=T.randn((M, H), torch.bfloat16, 30 + rank),
                 norm_weight=torch.ones(Lt, dtype=torch.bfloat16),
@@ -148,7 +150,8 @@ for rec in json.load(sys.stdin):
         for flag, val in (("USE_GLOBALTIMER", True), ("USE_PDL", pdl), ("MULTICAST", mc)):
             if flag in kern.arg_names and val is not None:
                 const[flag] = val
-        key = (rec["name"], json.dumps(rec["sig"], sort_keys=True), json.dumps(const, sort_keys=True, default=str))
+        key = (rec["name"], json.dumps(rec["sig"], sort_keys=True), json.dumps(const, sort_keys=True, default=str),
+               json.dumps(rec["options"], sort_keys=True))
         if key in done:
             continue
         done.add(key)
@@ -156,7 +159,8 @@ for rec in json.load(sys.stdin):
         src = ASTSource(kern, sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert ".target sm_90" in k.asm["ptx"], rec["name"]
-        print("compiled", rec["name"], "pdl" if pdl else "no-pdl", "multicast" if mc else "", flush=True)
+        print("compiled", rec["name"], "pdl" if pdl else "no-pdl", "multicast" if mc else "",
+              f"warps={rec['options'].get('num_warps')}", flush=True)
         polls = k.asm["ptx"].count("ld.volatile.global.v")
         print("polls", rec["name"], "vector" if polls else "scalar", polls, flush=True)
         for loop, voted, bad in spin_loops(k.asm["ptx"]):

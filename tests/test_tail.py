@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 
 import pytest
@@ -21,6 +22,7 @@ import k3tail
 from k3tail import reference as R
 from k3tail import testing as T
 from k3tail.errors import PeerTimeout, WorkspacePoisoned
+from k3tail.runtime import launch as L
 from k3tail.triton_kernels.gemm import tree_chunks
 
 SMALL = (512, 256, 4)
@@ -261,10 +263,21 @@ def test_tail_w1_and_bad_inputs():
     for v in (-1, 2.0, True):
         with pytest.raises(ValueError, match="a_programs"):
             LatentTail(hidden=H, latent=Lt, key="x", tactics={"a_programs": v})
+    for v in (0, 3, 32, True, 2.0):
+        with pytest.raises(ValueError, match="a_warps"):
+            LatentTail(hidden=H, latent=Lt, key="x", tactics={"a_warps": v})
     # kernel A with fewer programs than items (each publishes its 2-3 items, then consumes them): the
     # default's bits.  New inputs (seed 51): an item left unconsumed would show the last call's scratch.
-    c2 = dict(c, key="w1.a2", seed=51, tactics={"a_slices": 2, "a_programs": 3})
-    few = call_tail(make_tail(None, c2), c2, 0, 1)
+    # a_warps 8: kernel A launched with 8 warps (seen by the launch observer; the interpreter runs any)
+    c2 = dict(c, key="w1.a2", seed=51, tactics={"a_slices": 2, "a_programs": 3, "a_warps": 8})
+    seen = []
+    prev = L.set_observer(lambda kernel, grid, args, options, constexprs: seen.append(
+        (getattr(kernel, "fn", kernel).__name__, options.get("num_warps"))))
+    try:
+        few = call_tail(make_tail(None, c2), c2, 0, 1)
+    finally:
+        L.set_observer(prev)
+    assert ("tail_a_kernel", 8) in seen, seen
     check_case(c2, [few], 1, "W=1 a_programs=3")
     assert torch.equal(few, call_tail(tail, dict(c, seed=51), 0, 1)), "a_programs changed the bits"
     with pytest.raises(ValueError, match="unknown keys"):  # the tree and BLOCK_K are not tactics
@@ -512,4 +525,5 @@ def test_probe_tail_a_edits_still_apply():
     script = Path(__file__).resolve().parents[1] / "bench" / "probe_tail_a.py"
     r = subprocess.run([sys.executable, str(script), "--check-edits"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("kernel imported") == 8, r.stdout
+    variants = re.findall(r"^variant (\w+): \d+ edit\(s\) applied, kernel imported$", r.stdout, re.M)
+    assert len(variants) >= 9 and "base" in variants and "unrollnorm" in variants, r.stdout

@@ -12,9 +12,10 @@ divides the chunk count; never another tree).  Unless ``batch_invariant`` (DESIG
 the vote's), B at ``M <= b_gemv_max_m`` (0..4) is the decode GEMV instead (``b_gemv_rows`` shard rows
 per program, ``b_gemv_warps``): faster at decode, one fp32 ``tl.sum`` over K instead of the tree, so
 those M get other bits than the tree's (within the tier bound, not bitwise).
-Kernel A's tactics: ``a_slices`` (work items per token) and ``a_programs`` (at most this many
+Kernel A's tactics: ``a_slices`` (work items per token), ``a_programs`` (at most this many
 programs, each looping over its items: publish them all, then consume them; 0 = one per item, up to the
-co-residency cap ``launch.grid_cap``).
+co-residency cap ``launch.grid_cap``) and ``a_warps`` (warps per program: an item's loads spread over
+more threads; kernel A is a chain of L2 round trips, so more warps put more of them in flight).
 Also here: the tactic dict (:func:`default_tactics`), kernel B's launch, and
 :func:`shard_gemm` (kernel B alone at world size 1, for benchmarks and tests).
 
@@ -71,8 +72,8 @@ _BG = L.kernel(tail_b_gemv_kernel)
 _C = L.kernel(tail_c_kernel)
 
 _SQ_STRIDE = TAG_SLICES  # most A slices per token (one tag slot per slice)
-TACTIC_KEYS = ("a_slices", "a_programs", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages", "b_k_unroll",
-               "b_split", "b_gemv_max_m", "b_gemv_rows", "b_gemv_warps", "c_block", "c_programs")
+TACTIC_KEYS = ("a_slices", "a_programs", "a_warps", "b_block_n", "b_swap_ab", "b_tma", "b_warps", "b_stages",
+               "b_k_unroll", "b_split", "b_gemv_max_m", "b_gemv_rows", "b_gemv_warps", "c_block", "c_programs")
 B_BLOCK_N_MAX = 256  # kernel B's widest N tile (sizes the split scratch)
 GEMV_MAX_M = 4       # the GEMV keeps up to 4 token rows of normed in registers
 GEMV_MAX_ROWS = 64
@@ -84,7 +85,7 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     p2 = L.next_pow2
     if interpret_mode() or device.type != "cuda":
         # The interpreter runs programs one after another: few, large programs; pointer loads.
-        return {"a_slices": 1, "a_programs": 0, "b_block_n": max(16, min(256, p2(-(-hidden // W)))),
+        return {"a_slices": 1, "a_programs": 0, "a_warps": 4, "b_block_n": max(16, min(256, p2(-(-hidden // W)))),
                 "b_swap_ab": False,
                 "b_tma": False, "b_warps": 4, "b_stages": 1, "b_k_unroll": 1, "b_split": 1,
                 "b_gemv_max_m": GEMV_MAX_M,
@@ -109,7 +110,8 @@ def default_tactics(*, hidden: int, latent: int, W: int, device: torch.device) -
     # 2 warps, and 9.63 / 9.11 / 8.48 for 16 rows, 4 warps; W = 4: 9.78 / 9.71 / 9.72 against 11.95 / 12.80 /
     # 11.19); the GEMV with 4 shard rows per program over 4 warps (W = 8: 4.90 / 5.51 us at M = 1 / 4 against
     # 5.00 / 6.46 for the 8 rows over 8 warps of 8e91ac7)
-    return {"a_slices": slices, "a_programs": 0, "b_block_n": 32, "b_swap_ab": True, "b_tma": False, "b_warps": 2,
+    return {"a_slices": slices, "a_programs": 0, "a_warps": 4, "b_block_n": 32, "b_swap_ab": True, "b_tma": False,
+            "b_warps": 2,
             "b_stages": 16 if split == 1 else 8, "b_k_unroll": 1, "b_split": split,
             "b_gemv_max_m": GEMV_MAX_M, "b_gemv_rows": max(1, min(4, _GEMV_MAX_NUMEL // p2(latent))),
             "b_gemv_warps": 4, "c_block": 1024, "c_programs": 16}
@@ -123,6 +125,9 @@ def _check_tactics(t: dict, latent: int) -> None:
     if not isinstance(a, int) or isinstance(a, bool) or a < 0:
         raise ValueError(f"tactics['a_programs'] must be an int >= 0 (0 = one program per work item, up to the "
                          f"co-residency cap), got {a!r}")
+    w = t.get("a_warps")
+    if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 16 or w & (w - 1):
+        raise ValueError(f"tactics['a_warps'] must be a power of two in 1..16, got {w!r}")
     if t["a_slices"] > _SQ_STRIDE:
         raise ValueError(f"tactics['a_slices'] must be <= {_SQ_STRIDE}, got {t['a_slices']}")
     for k in ("b_block_n", "c_block"):
@@ -481,7 +486,8 @@ class LatentTail:
             eo, ew, idx, K, rt, R = routed, routed, st.dummy_idx, 1, routed, 0
         _A.variant(HIDDEN=H, LATENT=Lt, SHARD=S_max, TOPK=K, W=W, W_P2=L.next_pow2(W), SLICES=slices,
                    SQ_STRIDE=_SQ_STRIDE, BLOCK_L=block_l, BLOCK_S=block_s, RS_BYTES=st.layout["rs_off"],
-                   TAG_BYTES=st.layout["tag_off"], DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl)(
+                   TAG_BYTES=st.layout["tag_off"], DEFERRED=deferred, USE_GLOBALTIMER=gt, USE_PDL=pdl, pdl=pdl,
+                   num_warps=t["a_warps"])(
             (min(M * slices, cap, t["a_programs"] or cap),), rt, eo, ew, idx, shared, norm_weight,
             st.normed, st.sum32, st.sq, st.rs32, st.cnt_a, ws.table, ws.fault_blk, ws.ftab, ws.host_flag, clock,
             ws.rank, M, timeout_ns, tag, R, *self._scalars32)

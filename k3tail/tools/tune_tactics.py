@@ -82,10 +82,11 @@ class LatentTailSpec(Spec):
                     "b_warps": [2, 4, 8], "b_stages": [4, 6, 8, 12, 16, 24, 32], "b_k_unroll": [1, 2, 4, 7],
                     "b_split": splits, "b_gemv_max_m": [0, 1, 2, 4], "b_gemv_rows": [4, 8, 16],
                     "b_gemv_warps": [4, 8, 16], "a_slices": [1, 2, 4, 7, 14, 28], "a_programs": [0, 4, 8, 16],
+                    "a_warps": [4, 8, 16],
                     "c_block": [512, 1024, 2048], "c_programs": [4, 8, 16, 32, 64]}
         return {"b_block_n": [16, 32], "b_tma": [False, True], "b_stages": [6, 8, 12, 16], "b_k_unroll": [1, 4],
                 "b_split": splits[-2:], "b_gemv_rows": [4, 8], "b_gemv_warps": [4, 8], "a_slices": [4, 7, 14],
-                "c_programs": [8, 16, 32]}
+                "a_warps": [4, 8], "c_programs": [8, 16, 32]}
 
     def build(self, world, cfg, tactic, tag, timeout_s, max_tokens):
         from k3tail.ops.tail import LatentTail
