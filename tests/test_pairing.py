@@ -789,7 +789,8 @@ def test_gpu_soak_loopback_w4():
           f"max {max(mem) >> 20} MiB (spread {grow / 2 ** 20:.3f} MiB); calls by kind {counts}")
     assert caught == injected > 0
     assert grow <= 1 << 20, f"allocated GPU memory grew by {grow} bytes"
-    assert took < 120, f"{CALLS} calls took {took:.1f} s"
+    # (no bound on the time: a hang ends in a call's deadline, timeout_s above, which fails the test; the
+    # time is printed for the README, speed is bench/'s)
 
 
 def _early_fault_worker(rank, W, lagging, victim):
