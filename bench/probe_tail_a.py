@@ -2,7 +2,7 @@
 (``bench_tail.bench_tail_loopback``, with the per-kernel profile) with kernel A built from an edited copy
 of the package's kernel sources, one stage left out at a time.
 
-    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm tilesum unrollnorm fp32sum] [--W 8]
+    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm tilesum normfirst fp32sum] [--W 8]
                                   [--tactics '{"a_slices": 4}'] [--name probe_tail_a] [--out bench/results]
     python3 bench/probe_tail_a.py --check-edits     # CPU: the edits still apply to today's kernels
 
@@ -20,13 +20,9 @@ Variants (the edit, on the copy):
   nors     A's wait for the shared (rs) slots is skipped
   nonorm   no program normalizes a token (the arrival counter is never met)
   fp32sum  the rank-order sum of the routed slots in fp32 (``numerics.rank_sum64``)
-  unrollnorm a candidate fix: the normalizing program's loops over the token's slices (the fp64 partial
-           statistics, then the rows) unrolled (``tl.static_range``): the same adds in the same order, but
-           their volatile loads no longer wait one round trip each
-  tilesum  a candidate fix, not an ablation: ``rank_sum64`` loads the W rows as one tile (one burst of
-           vector loads) and adds them in rank order, each row picked out by a masked sum (one value
-           plus zeros: the same bits); today each row's add waits for its load before the next load
-           issues (bench/results/issue29/rank_sum_tile.patch is the same change for the package)
+  normfirst a candidate fix: the normalizing program loads the sum rows and gamma of up to 4 slices
+           before their stores (sm_90 SASS, Triton 3.6: the plain loop, unrolled by LLVM, still issues
+           each slice's loads after the last slice's store: one round trip per slice)
 """
 
 from __future__ import annotations
@@ -52,6 +48,25 @@ from k3tail.tools.bench_results import results_meta  # noqa: E402
 # numerics.rank_sum64's loop, the text the tilesum and fp32sum variants replace
 _RANK_SUM64 = ("    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
                "        acc += tl.load(ptrs + src * src_stride, mask=mask, other=0.0, volatile=True).to(tl.float64)")
+# the normalizing program's loop over the token's slices, and the normfirst variant's form of it: each group
+# of up to 4 slices loads its sum rows and gamma before the group's stores (same products, same bits)
+_I4, _I5, _I6 = " " * 24, " " * 28, " " * 32  # the loop's indentation in tail_fusion.py, its body's, and deeper
+_NORM_LOOP = (f"{_I4}for j in range(SLICES):\n"
+              f"{_I5}cj = j * BLOCK_L + offs_l\n"
+              f"{_I5}mj = cj < LATENT\n"
+              f"{_I5}xs = tl.load(sum_ptr + t * LATENT + cj, mask=mj, other=0.0, volatile=True)\n"
+              f"{_I5}g = tl.load(gamma_ptr + cj, mask=mj, other=0.0).to(tl.float32)\n"
+              f"{_I5}tl.store(normed_ptr + t * LATENT + cj, round_to(xs * rstd * g, DTYPE), mask=mj)")
+_NORM_FIRST = (f"{_I4}for j0 in tl.static_range(0, SLICES, 4):\n"
+               + "".join(f"{_I5}if j0 + {i} < SLICES:\n"
+                         f"{_I6}c{i} = (j0 + {i}) * BLOCK_L + offs_l\n"
+                         f"{_I6}x{i} = tl.load(sum_ptr + t * LATENT + c{i}, mask=c{i} < LATENT, other=0.0, "
+                         f"volatile=True)\n"
+                         f"{_I6}g{i} = tl.load(gamma_ptr + c{i}, mask=c{i} < LATENT, other=0.0).to(tl.float32)\n"
+                         for i in range(4))
+               + "".join(f"{_I5}if j0 + {i} < SLICES:\n"
+                         f"{_I6}tl.store(normed_ptr + t * LATENT + c{i}, round_to(x{i} * rstd * g{i}, DTYPE), "
+                         f"mask=c{i} < LATENT)\n" for i in range(4))).rstrip("\n")
 # (file, old text, new text): each old text must occur exactly once in its file
 EDITS = {
     "base": [],
@@ -75,9 +90,7 @@ EDITS = {
                  "mask[None, :], other=0.0, volatile=True).to(tl.float64)\n"
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
                  "        acc += tl.sum(tl.where(srcs[:, None] == src, tile, 0.0), axis=0)")],
-    "unrollnorm": [("tail_fusion.py", "for j in range(1, SLICES):  # slice order",
-                    "for j in tl.static_range(1, SLICES):  # slice order"),
-                   ("tail_fusion.py", "for j in range(SLICES):", "for j in tl.static_range(SLICES):")],
+    "normfirst": [("tail_fusion.py", _NORM_LOOP, _NORM_FIRST)],
     "fp32sum": [("numerics.py",
                  _RANK_SUM64,
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float32)\n    for src in tl.static_range(W):\n"

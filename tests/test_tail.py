@@ -526,4 +526,4 @@ def test_probe_tail_a_edits_still_apply():
     r = subprocess.run([sys.executable, str(script), "--check-edits"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     variants = re.findall(r"^variant (\w+): \d+ edit\(s\) applied, kernel imported$", r.stdout, re.M)
-    assert len(variants) >= 9 and "base" in variants and "unrollnorm" in variants, r.stdout
+    assert len(variants) >= 9 and "base" in variants and "normfirst" in variants, r.stdout
