@@ -2,8 +2,9 @@
 (``bench_tail.bench_tail_loopback``, with the per-kernel profile) with kernel A built from an edited copy
 of the package's kernel sources, one stage left out at a time.
 
-    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm tilesum normfirst fp32sum] [--W 8]
-                                  [--tactics '{"a_slices": 4}'] [--name probe_tail_a] [--out bench/results]
+    python3 bench/probe_tail_a.py [--variants base novote notag nowait nors nonorm tilesum normfirst timeline
+                                  fp32sum] [--W 8] [--tactics '{"a_slices": 4}'] [--name probe_tail_a]
+                                  [--out bench/results]
     python3 bench/probe_tail_a.py --check-edits     # CPU: the edits still apply to today's kernels
 
 A diagnostic, not a benchmark of k3tail: every variant but ``base`` is wrong on purpose (no CTA-wide
@@ -19,6 +20,11 @@ Variants (the edit, on the copy):
   nowait   A's routed wait is skipped (A sums whatever the slots hold): A's own work without the peers
   nors     A's wait for the shared (rs) slots is skipped
   nonorm   no program normalizes a token (the arrival counter is never met)
+  timeline not an edit of what A does: clock64 stamps at its stages into an extra buffer argument; its
+           own driver (``run_timeline``) times the same graph replay and prints, per M, the median us of
+           each stage over ranks, programs and items (publish, routed wait, routed sum + re-arm, rs wait,
+           rs sum + re-arm, arrival counter, normalize), so the loopback's per-item cost is split by a
+           measurement, not by removing a stage
   fp32sum  the rank-order sum of the routed slots in fp32 (``numerics.rank_sum64``)
   normfirst a candidate fix: the normalizing program loads the sum rows and gamma of up to 4 slices
            before their stores (sm_90 SASS, Triton 3.6: the plain loop, unrolled by LLVM, still issues
@@ -32,6 +38,7 @@ import importlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -40,7 +47,9 @@ from k3tail.testing import no_multicast
 no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
+import k3tail  # noqa: E402
 import k3tail.triton_kernels as _tk  # noqa: E402
+from k3tail import testing as T  # noqa: E402
 from k3tail.ops import tail as _tail  # noqa: E402
 from k3tail.runtime import launch as L  # noqa: E402
 from k3tail.tools.bench_results import results_meta  # noqa: E402
@@ -67,6 +76,45 @@ _NORM_FIRST = (f"{_I4}for j0 in tl.static_range(0, SLICES, 4):\n"
                + "".join(f"{_I5}if j0 + {i} < SLICES:\n"
                          f"{_I6}tl.store(normed_ptr + t * LATENT + c{i}, round_to(x{i} * rstd * g{i}, DTYPE), "
                          f"mask=c{i} < LATENT)\n" for i in range(4))).rstrip("\n")
+# the timeline variant: kernel A unchanged but for clock64 stamps (and a global-timer pair, to convert
+# cycles to time) stored into an extra int64 argument, dbg_ptr [3 (M = 1 / 4 / 16), W, 1024, 128]: per
+# program slot 0 its start, 1 the end of phase 1 (publish), 120 / 121 the global timer at start / end, 122
+# the clock at the end; per phase-2 item i < 16 slots 2 + 7 i + (0 start, 1 routed wait done, 2 summed and
+# re-armed, 3 rs wait done, 4 rs summed and re-armed, 5 after the arrival counter, 6 after normalizing or 0)
+_STAMP = "tl.inline_asm_elementwise('mov.u64 $0, %clock64;', '=l', [], dtype=tl.int64, is_pure=False, pack=1)"
+_DECOR = '@triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "tag", "R"])\ndef tail_a_kernel('
+
+
+def _ins(anchor: str, before: str = "", after: str = ""):
+    """An edit of tail_fusion.py that inserts ``before`` / ``after`` around ``anchor``."""
+    return ("tail_fusion.py", anchor, before + anchor + after)
+
+
+def _stamp(indent: int, slot: str) -> str:
+    return f"{' ' * indent}tl.store({slot}, _probe_clk())\n"
+
+
+_SLOT_BASE = ("    _dbg = dbg_ptr + (((tl.where(M == 1, 0, tl.where(M <= 4, 1, 2)) * W + rank) * 1024 + pid)"
+              " * 128).to(tl.int64)\n")
+_TIMELINE = [
+    _ins(_DECOR, before=f"@triton.jit\ndef _probe_clk():\n    return {_STAMP}\n\n\n"),
+    _ins("routed_scale, eps,", after=" dbg_ptr,"),
+    _ins("    n_items = M * SLICES\n", after=_SLOT_BASE + _stamp(4, "_dbg")
+         + "    tl.store(_dbg + 120, tl.extra.cuda.globaltimer())\n"),
+    _ins("        # Phase 2: consume the same items", before=_stamp(8, "_dbg + 1")),
+    _ins("            # ---- poll local routed slots (t, 0..W-1)",
+         before="            _k = _dbg + 2 + tl.minimum((item - pid) // nprog, 15) * 7\n"
+                "            tl.store(_k + 6, 0)\n" + _stamp(12, "_k")),
+    _ins("                acc = rank_sum64(my_routed", before=_stamp(16, "_k + 1")),
+    _ins("                arm(tptrs, wmask, tl.int32)                  # (after the same barrier)\n",
+         after=_stamp(16, "_k + 2")),
+    _ins("                    sacc = rank_sum64(my_rs", before=_stamp(20, "_k + 3")),
+    _ins("                    old = tl.atomic_add(cnt_ptr + t, 1)  # acq_rel: sees the others' sum32/sq\n",
+         before=_stamp(20, "_k + 4"), after=_stamp(20, "_k + 5")),
+    _ins("round_to(xs * rstd * g, DTYPE), mask=mj)\n            item += nprog\n",
+         after="        tl.store(_dbg + 121, tl.extra.cuda.globaltimer())\n" + _stamp(8, "_dbg + 122")),
+    _ins("round_to(xs * rstd * g, DTYPE), mask=mj)\n", after=_stamp(24, "_k + 6")),
+]
 # (file, old text, new text): each old text must occur exactly once in its file
 EDITS = {
     "base": [],
@@ -91,6 +139,7 @@ EDITS = {
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float64)\n    for src in tl.static_range(W):\n"
                  "        acc += tl.sum(tl.where(srcs[:, None] == src, tile, 0.0), axis=0)")],
     "normfirst": [("tail_fusion.py", _NORM_LOOP, _NORM_FIRST)],
+    "timeline": _TIMELINE,
     "fp32sum": [("numerics.py",
                  _RANK_SUM64,
                  "    acc = tl.zeros(ptrs.shape, dtype=tl.float32)\n    for src in tl.static_range(W):\n"
@@ -116,6 +165,86 @@ def variant_kernel(name: str, root: str):
     if root not in sys.path:
         sys.path.insert(0, root)
     return importlib.import_module(f"{pkg}.tail_fusion").tail_a_kernel
+
+
+_STAGES = ("routed wait", "routed sum + re-arm", "rs wait", "rs sum + re-arm", "arrival counter", "normalize")
+
+
+def summarize_stamps(d) -> dict:
+    """Per stage of kernel A, the median in us over ranks, programs and items of the ``timeline`` stamps
+    ``d[rank][program][slot]`` (layout: ``_TIMELINE``); a program that never started (slot 0 is 0) is
+    skipped, an item's stage counts only when both its stamps are there, in order."""
+    per = {k: [] for k in ("publish (phase 1)", "program", "items per program") + _STAGES}
+    for progs in d:
+        for s in progs:
+            if not s[0] or not s[122] or s[121] <= s[120]:
+                continue
+            cyc_per_us = (s[122] - s[0]) / ((s[121] - s[120]) / 1e3)
+            per["publish (phase 1)"].append((s[1] - s[0]) / cyc_per_us)
+            per["program"].append((s[122] - s[0]) / cyc_per_us)
+            n = 0
+            for i in range(16):
+                b = 2 + 7 * i
+                if not s[b] or s[b] < s[0]:
+                    break
+                n += 1
+                marks = s[b:b + 7]
+                for name, lo, hi in zip(_STAGES, marks, marks[1:]):
+                    if lo and hi >= lo:
+                        per[name].append((hi - lo) / cyc_per_us)
+            per["items per program"].append(n)
+    return {k: (statistics.median(v) if v else None) for k, v in per.items()}
+
+
+def run_timeline(log, kern, W: int, tactics=None) -> dict:
+    """The ``timeline`` variant: the loopback W TAIL_FUSION graph replay of bench_tail (two layers,
+    8 calls per replay) with kernel A stamping clock64 at its stages (``_TIMELINE``); from the last
+    call's stamps, per M the median over ranks, programs and items of each stage, in us (cycles over
+    the clock rate that the program's own global-timer pair gives).  Returns ``{M: {stage: us}}``."""
+    from bench_tail import H, LAT, TOPK, tail_kwargs
+
+    from k3tail.tools.timing import time_graph
+
+    buf = torch.zeros(3 * W * 1024 * 128, dtype=torch.int64, device="cuda")
+
+    class _WithStamps:  # kernel A's launcher, the stamp buffer appended to its arguments
+        def variant(self, **kw):
+            v = kern.variant(**kw)
+            return lambda grid, *a: v(grid, *a, buf)
+
+    _tail._A = _WithStamps()
+    world = k3tail.LoopbackWorld(W)
+    groups = [world.group(r) for r in range(W)]
+    S = H // W
+    tails = [world.build(lambda r, li=li: _tail.LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
+                                                           key=f"probe.timeline.{li}", timeout_s=20.0,
+                                                           tactics=tactics)) for li in range(2)]
+    wfull = [T.randn((H, LAT), torch.bfloat16, 500 + li, scale=LAT ** -0.5, device="cuda") for li in range(2)]
+    wshard = [[wfull[li][r * S:(r + 1) * S].contiguous() for r in range(W)] for li in range(2)]
+    gamma = (1 + 0.1 * torch.randn(LAT, device="cuda")).to(torch.bfloat16)
+    out = {}
+    for mi, M in enumerate((1, 4, 16)):
+        prefix = T.randn((M, H), torch.bfloat16, 1, device="cuda")
+        shared = [T.randn((M, H), torch.bfloat16, 10 + r, device="cuda") for r in range(W)]
+        routed = [T.randn((M, LAT), torch.bfloat16, 100 + r, device="cuda") for r in range(W)]
+        st = {"l": 0}
+
+        def f():
+            li = st["l"] = (st["l"] + 1) % 2
+            world.run(lambda r: tails[li][r](**tail_kwargs(r, False, prefix, shared, gamma, wshard[li], routed,
+                                                           None)))
+
+        us = time_graph(lambda i: f(), calls=8, replays=20, warmup=3)["median_us"]
+        torch.cuda.synchronize()
+        for tl_ in tails:
+            for t in tl_:
+                t.check()
+        out[M] = summarize_stamps(buf.view(3, W, 1024, 128)[mi].cpu().tolist())
+        out[M]["TAIL_FUSION us"] = us
+        log(f"timeline W={W} M={M}: TAIL_FUSION {us:.1f} us (with the stamps); kernel A medians over ranks, "
+            f"programs and items, us: " + ", ".join(f"{k} {v:.2f}" for k, v in out[M].items()
+                                                    if v is not None and k != "TAIL_FUSION us"))
+    return out
 
 
 def main():
@@ -152,14 +281,21 @@ def main():
     tactics = json.loads(args.tactics) if args.tactics else None
     orig = _tail._A
     root = tempfile.mkdtemp(prefix="k3probe_")
+    stages = {}
     try:
         for v in args.variants:
-            _tail._A = L.kernel(variant_kernel(v, root))
+            kern = L.kernel(variant_kernel(v, root))
             log(f"== variant {v}")
             try:
-                rows[v] = bench_tail_loopback(log, W=args.W, tactics=tactics, profile_kernels=True)
+                if v == "timeline":
+                    stages = run_timeline(log, kern, W=args.W, tactics=tactics)
+                else:
+                    _tail._A = kern
+                    rows[v] = bench_tail_loopback(log, W=args.W, tactics=tactics, profile_kernels=True)
             except Exception as e:  # a variant without waits may fault: report it, go on (each variant
                 log(f"variant {v} failed: {type(e).__name__}: {e}")  # builds its own loopback world)
+            finally:
+                _tail._A = orig
     finally:
         _tail._A = orig
         shutil.rmtree(root, ignore_errors=True)
@@ -172,7 +308,7 @@ def main():
     path = os.path.join(args.out, f"{args.name}.json")
     with open(path, "w") as f:
         json.dump({**results_meta(loopback=True), "W": args.W, "tactics": tactics, "edits": EDITS,
-                   "figures": rows, "log": lines}, f, indent=1, default=str)
+                   "figures": rows, "timeline": stages, "log": lines}, f, indent=1, default=str)
     log(f"wrote {path}")
 
 

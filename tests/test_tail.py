@@ -527,3 +527,26 @@ def test_probe_tail_a_edits_still_apply():
     assert r.returncode == 0, r.stdout + r.stderr
     variants = re.findall(r"^variant (\w+): \d+ edit\(s\) applied, kernel imported$", r.stdout, re.M)
     assert len(variants) >= 9 and "base" in variants and "normfirst" in variants, r.stdout
+
+
+def test_probe_tail_a_timeline_summary():
+    """The timeline variant's reading of its stamps (``summarize_stamps``), on a made-up buffer: a program
+    at 2000 cycles per us (its clock pair over its global-timer pair), two items, the second normalizing;
+    a program that never started is skipped."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "probe_tail_a.py"
+    spec = importlib.util.spec_from_file_location("probe_tail_a_t", path)
+    P = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(P)
+    s = [0] * 128
+    s[0], s[1], s[120], s[121], s[122] = 10_000, 14_000, 5_000, 8_000, 16_000  # 6000 cycles in 3 us
+    for i, marks in enumerate(([20, 22, 24, 26, 28, 30, 0], [40, 42, 46, 48, 50, 52, 60])):
+        s[2 + 7 * i:9 + 7 * i] = [10_000 + 100 * m if m else 0 for m in marks]
+    got = P.summarize_stamps([[s, [0] * 128]])
+    assert got["items per program"] == 2 and got["program"] == pytest.approx(3.0)
+    assert got["publish (phase 1)"] == pytest.approx(2.0)
+    assert got["routed wait"] == pytest.approx(0.1)  # 200 cycles in both items
+    assert got["routed sum + re-arm"] == pytest.approx(0.15)  # the median of 200 and 400 cycles
+    assert got["normalize"] == pytest.approx(0.4)  # only the second item normalized (800 cycles)
