@@ -125,9 +125,6 @@ def _check_tactics(t: dict, latent: int) -> None:
     if not isinstance(a, int) or isinstance(a, bool) or a < 0:
         raise ValueError(f"tactics['a_programs'] must be an int >= 0 (0 = one program per work item, up to the "
                          f"co-residency cap), got {a!r}")
-    w = t.get("a_warps")
-    if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 16 or w & (w - 1):
-        raise ValueError(f"tactics['a_warps'] must be a power of two in 1..16, got {w!r}")
     if t["a_slices"] > _SQ_STRIDE:
         raise ValueError(f"tactics['a_slices'] must be <= {_SQ_STRIDE}, got {t['a_slices']}")
     for k in ("b_block_n", "c_block"):
@@ -145,7 +142,7 @@ def _check_tactics(t: dict, latent: int) -> None:
     g = t.get("b_gemv_max_m")
     if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g <= GEMV_MAX_M:
         raise ValueError(f"tactics['b_gemv_max_m'] must be an int in 0..{GEMV_MAX_M} (0 = never the GEMV), got {g!r}")
-    for k, hi in (("b_gemv_rows", GEMV_MAX_ROWS), ("b_gemv_warps", 32)):
+    for k, hi in (("a_warps", 16), ("b_gemv_rows", GEMV_MAX_ROWS), ("b_gemv_warps", 32)):
         v = t.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi or v & (v - 1):
             raise ValueError(f"tactics[{k!r}] must be a power of two in 1..{hi}, got {v!r}")
