@@ -215,37 +215,61 @@ def check_outputs(world, tails, wfull, wshard, prefix, shared, gamma, routed, tr
     return dict(forms, summary=summary)
 
 
-def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False,
-                        batch_invariant: bool = False) -> list:
-    from k3tail.ops.allreduce import OneShotAllReduce
-
+def loopback_tails(W: int, tactics=None, batch_invariant: bool = False, n_layers: int = 2):
+    """The loopback TAIL_FUSION setup that bench_tail times (and probe_tail_a's timeline replays):
+    ``(world, groups, tails, wfull, wshard, gamma)``, ``n_layers`` LatentTail layers (``tails[li][r]``)
+    called in turn, each with its up-projection (``wfull[li]``, rank r's shard ``wshard[li][r]``)."""
     world = k3tail.LoopbackWorld(W)
     groups = [world.group(r) for r in range(W)]
     S = H // W
-    n_layers = 2
     tails = [world.build(lambda r, li=li: LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
                                                      key=f"model.layers.{li}.mlp", timeout_s=20.0,
                                                      tactics=tactics, batch_invariant=batch_invariant))
              for li in range(n_layers)]
-    ar_l = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=LAT))
-    ar_h = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=H))
     wfull = [T.randn((H, LAT), torch.bfloat16, 500 + li, scale=LAT ** -0.5, device="cuda") for li in range(n_layers)]
     wshard = [[wfull[li][r * S:(r + 1) * S].contiguous() for r in range(W)] for li in range(n_layers)]
     gamma = (1 + 0.1 * torch.randn(LAT, device="cuda")).to(torch.bfloat16)
+    return world, groups, tails, wfull, wshard, gamma
+
+
+def loopback_inputs(M: int, W: int):
+    """``(prefix, shared, routed, trip)`` of M tokens: the prefix, each rank's shared partial, routed
+    partial and deferred finalize triple (fixed seeds)."""
+    prefix = T.randn((M, H), torch.bfloat16, 1, device="cuda")
+    shared = [T.randn((M, H), torch.bfloat16, 10 + r, device="cuda") for r in range(W)]
+    routed = [T.randn((M, LAT), torch.bfloat16, 100 + r, device="cuda") for r in range(W)]
+    trip = [T.moe_triple(M, TOPK, LAT, torch.bfloat16, 200 + r, device="cuda") for r in range(W)]
+    return prefix, shared, routed, trip
+
+
+def fused_call(world, tails, wshard, gamma, inputs, deferred: bool, st: dict):
+    """One TAIL_FUSION call of every rank, on the next layer in turn (``st["l"]``, shared by the forms
+    timed together): the routed form, or with ``deferred`` the finalize triple."""
+    prefix, shared, routed, trip = inputs
+
+    def f():
+        li = st["l"] = (st["l"] + 1) % len(tails)
+        world.run(lambda r: tails[li][r](**tail_kwargs(r, deferred, prefix, shared, gamma, wshard[li], routed,
+                                                       trip)))
+    return f
+
+
+def bench_tail_loopback(log, W: int = 8, tactics=None, profile_kernels: bool = False,
+                        batch_invariant: bool = False) -> list:
+    from k3tail.ops.allreduce import OneShotAllReduce
+
+    world, groups, tails, wfull, wshard, gamma = loopback_tails(W, tactics, batch_invariant)
+    n_layers = len(tails)
+    ar_l = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=LAT))
+    ar_h = world.build(lambda r: OneShotAllReduce(groups[r], max_tokens=16, width=H))
     rows = []
     for M in (1, 4, 16):
-        prefix = T.randn((M, H), torch.bfloat16, 1, device="cuda")
-        shared = [T.randn((M, H), torch.bfloat16, 10 + r, device="cuda") for r in range(W)]
-        routed = [T.randn((M, LAT), torch.bfloat16, 100 + r, device="cuda") for r in range(W)]
-        trip = [T.moe_triple(M, TOPK, LAT, torch.bfloat16, 200 + r, device="cuda") for r in range(W)]
+        inputs = loopback_inputs(M, W)
+        prefix, shared, routed, trip = inputs
         st = {"l": 0}
 
         def fused(deferred):
-            def f():
-                li = st["l"] = (st["l"] + 1) % n_layers
-                world.run(lambda r: tails[li][r](**tail_kwargs(r, deferred, prefix, shared, gamma, wshard[li], routed,
-                                                               trip)))
-            return f
+            return fused_call(world, tails, wshard, gamma, inputs, deferred, st)
 
         def composed_rank(r, li):
             s = ar_l[r](routed[r]).float()

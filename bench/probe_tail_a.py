@@ -47,9 +47,7 @@ from k3tail.testing import no_multicast
 no_multicast()  # before any GPU work (DESIGN §8)
 import torch  # noqa: E402
 
-import k3tail  # noqa: E402
 import k3tail.triton_kernels as _tk  # noqa: E402
-from k3tail import testing as T  # noqa: E402
 from k3tail.ops import tail as _tail  # noqa: E402
 from k3tail.runtime import launch as L  # noqa: E402
 from k3tail.tools.bench_results import results_meta  # noqa: E402
@@ -201,7 +199,7 @@ def run_timeline(log, kern, W: int, tactics=None) -> dict:
     8 calls per replay) with kernel A stamping clock64 at its stages (``_TIMELINE``); from the last
     call's stamps, per M the median over ranks, programs and items of each stage, in us (cycles over
     the clock rate that the program's own global-timer pair gives).  Returns ``{M: {stage: us}}``."""
-    from bench_tail import H, LAT, TOPK, tail_kwargs
+    from bench_tail import fused_call, loopback_inputs, loopback_tails
 
     from k3tail.tools.timing import time_graph
 
@@ -213,27 +211,10 @@ def run_timeline(log, kern, W: int, tactics=None) -> dict:
             return lambda grid, *a: v(grid, *a, buf)
 
     _tail._A = _WithStamps()
-    world = k3tail.LoopbackWorld(W)
-    groups = [world.group(r) for r in range(W)]
-    S = H // W
-    tails = [world.build(lambda r, li=li: _tail.LatentTail(groups[r], hidden=H, latent=LAT, top_k=TOPK,
-                                                           key=f"probe.timeline.{li}", timeout_s=20.0,
-                                                           tactics=tactics)) for li in range(2)]
-    wfull = [T.randn((H, LAT), torch.bfloat16, 500 + li, scale=LAT ** -0.5, device="cuda") for li in range(2)]
-    wshard = [[wfull[li][r * S:(r + 1) * S].contiguous() for r in range(W)] for li in range(2)]
-    gamma = (1 + 0.1 * torch.randn(LAT, device="cuda")).to(torch.bfloat16)
+    world, _, tails, _, wshard, gamma = loopback_tails(W, tactics)
     out = {}
     for mi, M in enumerate((1, 4, 16)):
-        prefix = T.randn((M, H), torch.bfloat16, 1, device="cuda")
-        shared = [T.randn((M, H), torch.bfloat16, 10 + r, device="cuda") for r in range(W)]
-        routed = [T.randn((M, LAT), torch.bfloat16, 100 + r, device="cuda") for r in range(W)]
-        st = {"l": 0}
-
-        def f():
-            li = st["l"] = (st["l"] + 1) % 2
-            world.run(lambda r: tails[li][r](**tail_kwargs(r, False, prefix, shared, gamma, wshard[li], routed,
-                                                           None)))
-
+        f = fused_call(world, tails, wshard, gamma, loopback_inputs(M, W), False, {"l": 0})
         us = time_graph(lambda i: f(), calls=8, replays=20, warmup=3)["median_us"]
         torch.cuda.synchronize()
         for tl_ in tails:
@@ -294,8 +275,6 @@ def main():
                     rows[v] = bench_tail_loopback(log, W=args.W, tactics=tactics, profile_kernels=True)
             except Exception as e:  # a variant without waits may fault: report it, go on (each variant
                 log(f"variant {v} failed: {type(e).__name__}: {e}")  # builds its own loopback world)
-            finally:
-                _tail._A = orig
     finally:
         _tail._A = orig
         shutil.rmtree(root, ignore_errors=True)
