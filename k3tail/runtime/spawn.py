@@ -185,6 +185,11 @@ def _child(rank, world_size, cuda_index, backend, init_file, env, parent_pid, pa
             kw["device_id"] = torch.device("cuda", cuda_index)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, **kw)
+        if backend == "gloo":
+            # Gloo's init returns on a rank once *its* pairs are up, not everyone's: a rank whose
+            # fn fails at once could otherwise close a pair another rank is still connecting, and
+            # that rank would report a Gloo error instead of being named as still running.
+            dist.barrier()
         try:
             result = fn(rank, world_size, *args)
             buf = io.BytesIO()
