@@ -52,9 +52,14 @@ SWEEP = [dict(b_block_n=bn, b_swap_ab=sw, b_tma=tma, b_warps=w, b_stages=st, b_k
              (16, True, False, 4, 4, 1, 8), (16, True, False, 4, 8, 7, 8), (16, True, False, 4, 4, 7, 8),
              (16, True, True, 4, 8, 1, 8), (16, True, True, 4, 4, 7, 8), (32, True, False, 4, 8, 1, 8),
              (16, False, False, 4, 8, 1, 8), (16, True, False, 2, 8, 1, 8), (16, True, False, 8, 8, 1, 8),
-             (16, False, False, 2, 8, 1, 8), (32, True, False, 2, 8, 1, 8)]]
+             (16, False, False, 2, 8, 1, 8), (32, True, False, 2, 8, 1, 8),
+             # W = 4 missed cuBLAS at M = 4 / 16 with the 32-row tile above (issue 29, 4dc7d18: 0.90 / 0.92x):
+             # wider tiles (more bytes in flight per program), 1 warp, TMA, fewer stages, half the split
+             (64, True, False, 4, 8, 1, 8), (64, True, False, 2, 8, 1, 8), (32, True, False, 1, 8, 1, 8),
+             (32, True, True, 2, 8, 1, 8), (32, True, False, 2, 4, 1, 8), (32, True, False, 2, 8, 1, 4)]]
 # the decode GEMV (batch_invariant off, M <= b_gemv_max_m): shard rows per program and warps
-GEMV_SWEEP = [dict(b_gemv_rows=r, b_gemv_warps=w) for r, w in ((4, 4), (4, 8), (8, 4), (8, 8), (2, 4), (16, 8))]
+GEMV_SWEEP = [dict(b_gemv_rows=r, b_gemv_warps=w) for r, w in ((4, 4), (4, 8), (8, 4), (8, 8), (2, 4), (16, 8),
+                                                                 (2, 8), (1, 4))]
 
 
 def median_us(fn, n_inner: int, n_rep: int = 50) -> float:
