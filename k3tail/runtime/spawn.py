@@ -254,7 +254,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args, device: str = "cpu",
     overlapping-devices mode.  ``backend`` overrides the process-group backend; ``env``
     adds variables to every rank's environment.  ``fn`` and ``args`` must be picklable, and
     ``fn`` importable by a fresh process (a module-level function of an importable module);
-    the ranks copy this process's logging setup (:func:`logging_setup`).
+    the ranks copy this process's logging setup (:func:`logging_setup`).  ``fn`` starts on a rank
+    once every rank's process group is up (with gloo, a barrier after the init).
 
     Returns the per-rank return values in rank order; tensors come back on the CPU (they
     are serialized, so they outlive the child).  Failure raises :class:`SpawnError` (a
