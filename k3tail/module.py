@@ -90,7 +90,7 @@ from k3tail.ops.fault import call_tag, layer_salt, post_abort, warm_abort
 from k3tail.ops.finalize_ar_norm import FinalizeAllReduceRMSNorm, LaneAllReduce
 from k3tail.ops.multimem import MultimemStage
 from k3tail.ops.prefill import shard_bounds
-from k3tail.ops.projection import Projector
+from k3tail.ops.projection import Projector, fast_chain_above
 from k3tail.ops.tail import LatentTail
 from k3tail.runtime.checks import check_routed, check_tensor
 from k3tail.runtime.comm import DEFAULT_TIMEOUT_S, SoloComm, comm_for, current_deadline, host_deadline
@@ -320,7 +320,8 @@ class K3MoETail(nn.Module):
 
     Public: :meth:`forward`, :meth:`tier_for`, :meth:`plan_for`, :meth:`why_not`, :meth:`warmup`,
     :attr:`caps` (the selector's), :attr:`decision` (all of :func:`k3tail.tiers.decide`),
-    :attr:`negotiated` (local probes, agreed vote, possible tiers and why not),
+    :attr:`negotiated` (local probes, agreed vote, possible tiers and why not, ``chain_above``: the M above
+    which the projection runs the single K chain instead of the tree, None for the tree at every M),
     :attr:`batch_invariant` (``config.batch_invariant`` as the vote agreed it: on if any rank asked).
     """
 
@@ -419,7 +420,8 @@ class K3MoETail(nn.Module):
                 g.fault_ws = create_workspace(group, 64, device=self.device, what="K3MoETail fault block")
             ctx = TierContext(config=cfg, rank=self.rank, world_size=W, device=self.device,
                               bounds_latent=shard_bounds(cfg.latent, W), bounds_hidden=shard_bounds(cfg.hidden, W),
-                              coll=None, project=Projector(tactics.get("project")))
+                              coll=None, project=Projector(tactics.get("project"),
+                                                           chain_above=fast_chain_above(d.caps.batch_invariant)))
             common = dict(top_k=cfg.top_k, eps=cfg.eps, routed_scale=cfg.routed_scale, dtype=cfg.dtype,
                           timeout_s=self.timeout_s, device=self.device)
             if a.tail_fusion_max_tokens > 0:
@@ -449,6 +451,8 @@ class K3MoETail(nn.Module):
             raise K3TailError(f"K3MoETail {prefix!r}: rank {self.rank} of {W} failed inside the collective "
                               f"allocations after the vote agreed them ({type(e).__name__}: {e}); this is "
                               f"fatal on purpose: falling back alone would strand the other ranks") from e
+        # the projection's arithmetic above this M: the single K chain (fast mode; None: the tree at every M)
+        self.negotiated["chain_above"] = ctx.project.chain_above
         if self.device.type == "cuda" and kind == "group":
             ctx.side_stream = torch.cuda.Stream(device=self.device)
         ctx.status = torch.zeros(1, dtype=torch.int32, device=self.device)

@@ -143,6 +143,91 @@ def test_project_tree_exact():
             assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (M, t)
 
 
+def test_projector_chain_exact():
+    """``Projector(chain_above=A)`` (the fast mode's large-M arithmetic, ``gemm.py`` "The chain"): a batch
+    of more than ``A`` tokens gives the single chain's fp32 bits (every K tile in order from zero:
+    ``project_tree`` with one chunk per tile, the construction's ``chain`` order), a batch of at most
+    ``A`` the tree's; on the pointer and the TMA tile of the ``"chain"`` tactic; ``A = None`` is the tree
+    at every M.  The construction separates the two (test_construction_separates_orders)."""
+    from k3tail.ops.projection import Projector, project
+
+    K, N = 1024, 72
+    tiles = K // 64
+    chains = [None, {"chain": {"block_m": 16, "block_n": 32, "swap_ab": True}},
+              {"chain": {"variant": "tma", "block_m": 32, "block_n": 64, "persistent": True}}]
+    for A, M in ((4, 5), (4, 4), (0, 1), (16, 17), (None, 40)):
+        chain = A is not None and M > A
+        a, w = exact_case(M, N, K, seed=200 + M)
+        want = R.project_tree(a, w, tiles if chain else tree_chunks(K))
+        assert chain == torch.equal(want, _orders(a, w, tree_chunks(K))["chain"])
+        for tactics in chains:
+            p = Projector(tactics, chain_above=A)
+            assert p.uses_chain(M) == chain and p.chain_above == A
+            out = T.poison_(torch.empty(M, N, dtype=torch.float32))
+            p(a, w, out=out, out_dtype=torch.float32)
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (A, M, tactics)
+            out2 = T.poison_(torch.empty(M, N, dtype=torch.float32))
+            project(a, w, out=out2, out_dtype=torch.float32, tactics=tactics, chain_above=A)
+            assert torch.equal(out2.view(torch.int32), want.view(torch.int32)), (A, M, tactics)
+
+
+def test_projector_chain_rejects():
+    """``chain_above`` is None or an int >= 0; the chain's tactic is checked like any GEMM tactic; the
+    policy gives the chain only where batch invariance is off."""
+    from k3tail.ops import projection as P
+
+    for bad in (-1, True, 1.5, "256"):
+        with pytest.raises(ValueError, match="chain_above"):
+            P.Projector(None, chain_above=bad)
+        with pytest.raises(ValueError, match="chain_above"):
+            P.project(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16),
+                      chain_above=bad)
+    with pytest.raises(ValueError, match="block_m"):
+        P.Projector({"chain": {"block_m": 24}}, chain_above=0)
+    with pytest.raises(ValueError, match="unknown keys"):
+        P.Projector({"chains": {}})
+    saved = P.FAST_CHAIN_ABOVE
+    try:
+        P.FAST_CHAIN_ABOVE = 256
+        assert P.fast_chain_above(False) == 256 and P.fast_chain_above(True) is None
+        with pytest.raises(ValueError, match="batch_invariant"):
+            P.fast_chain_above(1)
+    finally:
+        P.FAST_CHAIN_ABOVE = saved
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_module_chain_policy(monkeypatch, invariant):
+    """K3MoETail's projection follows the policy: with ``FAST_CHAIN_ABOVE = 4`` a fast-mode module runs
+    batches of more than 4 tokens on the chain (``negotiated["chain_above"]``, and the projection's
+    choice in each call; test_projector_chain_exact pins what the choice computes), a batch-invariant
+    one never; every output stays within the tail's bound of the
+    fp64 reference."""
+    from k3tail.ops import projection as P
+
+    monkeypatch.setattr(P, "FAST_CHAIN_ABOVE", 4)
+    seen = []
+    real = P.Projector.uses_chain
+
+    def spy(self, M):
+        seen.append(real(self, M))
+        return seen[-1]
+
+    monkeypatch.setattr(P.Projector, "uses_chain", spy)
+    H, Lt = 64, 1024
+    cfg = k3tail.TailConfig(hidden=H, latent=Lt, top_k=2, max_tokens=16, batch_invariant=invariant)
+    mod = k3tail.K3MoETail(cfg, prefix=f"tree.chain.{invariant}")
+    assert mod.negotiated["chain_above"] == (None if invariant else 4)
+    for M in (1, 9):
+        prefix, gamma, up, shared, rt = T.tail_inputs(hidden=H, latent=Lt, top_k=2, M=M, W=1, rank=0,
+                                                      form="triple", seed=40 + M)
+        seen.clear()
+        y = mod(prefix_hidden=prefix, shared=shared, norm_weight=gamma, up_weight=up, **rt)
+        assert seen == [M > 4 and not invariant], (M, seen)  # one projection per call at W = 1
+        T.check_tail(y, prefix_hidden=prefix, partials=[R.rank_partial(**rt)], shared=[shared],
+                     norm_weight=gamma, up_weight=up, eps=1e-5, what=f"invariant={invariant} M={M}")
+
+
 def test_kernel_b_counter_rearmed():
     """Three kernel B calls on the same scratch (same ``out``), poisoned before each: every call
     writes every output (the last program of each N tile re-armed its ticket counter)."""

@@ -35,6 +35,17 @@ Arithmetic (identical in every variant, every config, every M):
     as +0.0 (:func:`lamport.canonicalize`), as TAIL_FUSION's kernel B must store it into the
     mailbox, so every tier returns the same bits (DESIGN §10).
 
+The chain (the fast mode's large-M arithmetic)
+==============================================
+``chain=True`` (:func:`gemm_compile_time`; an argument of the launch, never a tactic key) compiles
+``TREE_S = 1``: the whole K is one chunk, one ascending chain of ``tl.dot`` steps from zero (the
+family's arithmetic before the tree, c6d2f4b).  Its bits differ from the tree's, so it is its own
+bit-class: its candidates are :data:`CHAIN_CANDIDATES`, checked and timed apart.  One accumulator
+instead of two lets the 128x256 tile fit without spills and leaves no fold in the K loop.  k3tail's
+launcher (``k3tail/ops/projection.py``, ``FAST_CHAIN_ABOVE``) may take it only where batch invariance
+is off, and only above a fixed M, so a token's bits then depend on its batch's side of that M
+(within the tier bound, as the decode GEMV's do).
+
 Batch invariance (the point of this file)
 =========================================
 Invariant: the fp32 ``acc`` of output element (m, n) is a function of row m of ``normed`` and
@@ -108,8 +119,9 @@ Defaults per M bucket: :data:`DEFAULTS` (M <= 16 decode, M <= 256, larger) until
 replaces them.  Any config may serve any M; configs may differ between buckets only if they
 were checked bit-identical together on the device (bench/bench_gemm.py part (b)).
 Must never vary: BLOCK_K (64, not a key), the tree (``TREE_S = tree_chunks(K)``, passed by
-:func:`gemm_compile_time`, never a key), the ascending K loop inside a chunk, the chunk order of
-the partials' sum, the epilogue's order, tensor-core ``tl.dot`` with fp32 accumulation at every M.
+:func:`gemm_compile_time`, never a key; 1 only with ``chain``, the launcher's policy, not a
+tactic's), the ascending K loop inside a chunk, the chunk order of the partials' sum, the
+epilogue's order, tensor-core ``tl.dot`` with fp32 accumulation at every M.
 """
 
 from __future__ import annotations
@@ -198,6 +210,35 @@ CANDIDATES = {
     "t_n64x128_w4_s4_p_kf": (_t("tma", 64, 128, False, 4, 4, persistent=True, k_flat=True), (1024, 8192)),
     "t_n128x128_w8_s3_p_kf": (_t("tma", 128, 128, False, 8, 3, persistent=True, k_flat=True), (1024, 8192)),
 }
+
+# The chain's candidates (``chain=True``: one ascending chain over the whole K, TREE_S = 1; "The chain"
+# above): the fast mode's large-M tiles, timed apart from the tree's (they are another bit-class).  With
+# one accumulator the 128x256 tile fits again: no spill stores (ptxas sm_90, Triton 3.6 and 3.9), where
+# the tree's second accumulator spills it (1.5 KiB).  Before the tree, on the H200 (gemm_nvidia_h200.json,
+# c6d2f4b, this arithmetic), t_n128x256_w8_s3_p_e2 ran at 0.89 / 0.97 / 0.90 / 1.05x cuBLAS at M = 8192
+# (N = 7168 / 3584 / 1792 / 896) and 1.05 / 0.91x at M = 1024 (N = 7168 / 3584); the narrow shards at
+# M = 1024 want smaller tiles (more programs).
+CHAIN_CANDIDATES = {
+    "c_n128x256_w8_s3_p_e2": (_t("tma", 128, 256, False, 8, 3, persistent=True, epi_split=2), (1024, 8192)),
+    "c_n128x256_w8_s3_e2": (_t("tma", 128, 256, False, 8, 3, epi_split=2), (1024, 8192)),
+    "c_n128x256_w8_s4_p_e2": (_t("tma", 128, 256, False, 8, 4, persistent=True, epi_split=2), (1024, 8192)),
+    "c_n128x128_w8_s4_p": (_t("tma", 128, 128, False, 8, 4, persistent=True), (1024, 8192)),
+    "c_n128x128_w8_s5_p": (_t("tma", 128, 128, False, 8, 5, persistent=True), (1024, 8192)),
+    "c_n64x128_w4_s4_p": (_t("tma", 64, 128, False, 4, 4, persistent=True), (1024, 8192)),
+    "c_n64x256_w8_s4_p_e2": (_t("tma", 64, 256, False, 8, 4, persistent=True, epi_split=2), (1024, 8192)),
+}
+CHAIN_DEFAULT = "c_n128x256_w8_s3_p_e2"  # the chain's tile where no tuned table names one
+
+
+def candidate(name: str) -> tuple:
+    """``(tactic, Ms, chain)`` of a candidate of either arithmetic: :data:`CANDIDATES` (the tree) or
+    :data:`CHAIN_CANDIDATES` (the chain, names ``c_...``).  KeyError for an unknown name."""
+    if name in CHAIN_CANDIDATES:
+        t, ms = CHAIN_CANDIDATES[name]
+        return t, ms, True
+    t, ms = CANDIDATES[name]
+    return t, ms, False
+
 
 # The fastest of the candidates that form one bit-class, per bucket of M (the largest M it serves; None:
 # the rest).  On the H100 at 922ffeb (bench/results/issue29/gemm_{prefold,fold}_922ffeb.json, Triton 3.6, one
@@ -611,15 +652,18 @@ def tma_ok(a, w) -> bool:
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 for t in (a, w))
 
 
-def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool) -> tuple:
+def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool, *, chain: bool = False) -> tuple:
     """The fixed part of a launch of tactic ``t``: ``(kernel, kwargs)`` with every compile-time value
     (constexprs, ``num_warps``, ``num_stages``).  It depends on the tactic, K and which epilogue
     operands exist, not on the tensors: a launcher computes it once per (tactic, K, epilogue) and
-    only :func:`gemm_runtime_args` per call."""
-    kw = dict(K=K, TREE_S=tree_chunks(K), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
-              SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1), HAS_PREFIX=bool(has_prefix),
-              HAS_SHSUM=bool(has_shared), K_FLAT=bool(t.get("k_flat", False)), num_warps=t["warps"],
-              num_stages=t["stages"])
+    only :func:`gemm_runtime_args` per call.  ``chain``: the single chain (``TREE_S = 1``, "The chain"
+    above) instead of the tree; an argument of the launcher's policy, never a tactic key."""
+    if not isinstance(chain, bool):
+        raise ValueError(f"chain must be a bool, got {chain!r}")
+    kw = dict(K=K, TREE_S=1 if chain else tree_chunks(K), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"],
+              GROUP_M=t["group_m"], SWAP_AB=bool(t["swap_ab"]), EPI_SPLIT=t.get("epi_split", 1),
+              HAS_PREFIX=bool(has_prefix), HAS_SHSUM=bool(has_shared), K_FLAT=bool(t.get("k_flat", False)),
+              num_warps=t["warps"], num_stages=t["stages"])
     if t["variant"] == "ptr":
         return gemm_kernel, kw
     assert t["variant"] == "tma", t["variant"]
@@ -646,23 +690,24 @@ def gemm_runtime_args(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: 
     return g, (a_desc, w_desc, pf, sh, out, M, N, g[0]) + tail
 
 
-def gemm_launch(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132):
+def gemm_launch(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132, chain: bool = False):
     """Reference launch of one tactic ``t`` (keys :data:`TACTIC_KEYS`) for ``out = round((prefix +
     a @ w^T) + shared)``, as ``(kernel, grid, args, kwargs)``: run it with
     ``kernel[grid](*args, **kwargs)`` (:func:`launch_gemm`).  No validation beyond asserts (the
     package launcher in k3tail/ops owns that); ``num_sms`` sizes a persistent grid.  The tma
     variant builds host ``TensorDescriptor`` objects (filled into CUtensorMaps at launch; a
-    CUDA graph captures them by value).  :func:`gemm_compile_time` + :func:`gemm_runtime_args`."""
+    CUDA graph captures them by value).  :func:`gemm_compile_time` + :func:`gemm_runtime_args`;
+    ``chain`` as there."""
     M, K = a.shape
     N = w.shape[0]
     assert w.shape[1] == K and tuple(out.shape) == (M, N) and a.dtype == w.dtype
-    kernel, kw = gemm_compile_time(t, K, prefix is not None, shared is not None)
+    kernel, kw = gemm_compile_time(t, K, prefix is not None, shared is not None, chain=chain)
     g, args = gemm_runtime_args(t, a, w, out, prefix, shared, num_sms=num_sms)
     return kernel, g, args, dict(kw)
 
 
-def launch_gemm(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132):
+def launch_gemm(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132, chain: bool = False):
     """Launch :func:`gemm_launch`'s kernel; returns ``out``."""
-    kernel, g, args, kw = gemm_launch(t, a, w, out, prefix, shared, num_sms=num_sms)
+    kernel, g, args, kw = gemm_launch(t, a, w, out, prefix, shared, num_sms=num_sms, chain=chain)
     kernel[g](*args, **kw)
     return out

@@ -14,6 +14,13 @@ persistent, flatten, warp_spec, epi_split) over :data:`triton_kernels.gemm.DEFAU
 variant needs unit K stride and 16-byte aligned rows; where the operands have neither, the same
 tile runs on the pointer variant (the same bits).  Under the interpreter every bucket runs the
 pointer variant with large tiles (its cost is per program).
+
+The chain (``gemm.py``, "The chain"): a :class:`Projector` built with ``chain_above=A`` runs every
+batch of more than ``A`` tokens as one ascending K chain (``TREE_S = 1``) on the tile of its
+``"chain"`` tactic (over ``gemm.CHAIN_DEFAULT``), the tree at ``M <= A``.  Those batches' bits then
+differ from the tree's (within the tier bound), so only a caller without batch invariance may ask it:
+:func:`fast_chain_above` is the policy the module applies (``FAST_CHAIN_ABOVE`` where invariance is
+off, never where it is on).  ``chain_above=None`` (the default) is the tree at every M.
 """
 
 from __future__ import annotations
@@ -31,6 +38,20 @@ from k3tail.triton_kernels import gemm as G
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SHARED_DTYPES = (torch.float32, *ACT_DTYPES)
 BUCKETS = (("m16", 16), ("m256", 256), ("large", None))  # tactic key -> the largest M it serves
+CHAIN_KEY = "chain"  # the tactic key of the chain's tile (a Projector with chain_above: M > chain_above)
+# The fast mode's chain threshold (batch_invariant=False): batches of more than this many tokens take the
+# single K chain.  None: staged, the tree at every M.  The chain's tiles compile for sm_90 without spills
+# (Triton 3.6 and 3.9) and give the chain's bits in the interpreter; they are not yet timed on a GPU at
+# this code (issue 29), so the default stays the tree until they are (then 256: above the m256 bucket).
+FAST_CHAIN_ABOVE: Optional[int] = None
+
+
+def fast_chain_above(batch_invariant: bool) -> Optional[int]:
+    """The ``chain_above`` of a module's :class:`Projector`: ``FAST_CHAIN_ABOVE`` (read now) where batch
+    invariance is off, None (the tree at every M) where it is on."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    return None if batch_invariant else FAST_CHAIN_ABOVE
 
 
 def _any_strides(name, t, **kw) -> torch.Tensor:
@@ -62,22 +83,33 @@ def default_tactics(*, interpret: bool) -> dict:
             t.update(variant="ptr", block_m=min(256, max(16, top or 256)), block_n=256, swap_ab=False,
                      persistent=False, flatten=False, warp_spec=False, epi_split=1, stages=1)
         out[key] = t
+    t = dict(G.CHAIN_CANDIDATES[G.CHAIN_DEFAULT][0])
+    if interpret:
+        t.update(variant="ptr", block_m=256, block_n=256, swap_ab=False, persistent=False, flatten=False,
+                 warp_spec=False, epi_split=1, stages=1)
+    out[CHAIN_KEY] = t
     return out
 
 
-TACTIC_KEYS = frozenset(key for key, _ in BUCKETS)
+TACTIC_KEYS = frozenset([*(key for key, _ in BUCKETS), CHAIN_KEY])
 
 
 class Projector:
     """``project`` with its tactics resolved once: what the tiers hold, so a call merges and checks
     nothing but its tensors.  ``Projector(tactics)(normed, up_weight, ...)`` has :func:`project`'s
-    arguments and contract; :meth:`run` skips the checks (for a caller that made them)."""
+    arguments and contract; :meth:`run` skips the checks (for a caller that made them).
+    ``chain_above``: None (the tree at every M) or an int ``A >= 0``: batches of more than ``A``
+    tokens run the single K chain on the ``"chain"`` tactic's tile (module docstring)."""
 
-    def __init__(self, tactics: Optional[dict] = None):
+    def __init__(self, tactics: Optional[dict] = None, *, chain_above: Optional[int] = None):
         tactics = dict(tactics or {})
         if set(tactics) - TACTIC_KEYS:
             raise ValueError(f"tactics has unknown keys {sorted(set(tactics) - TACTIC_KEYS)} "
-                             f"(known: {sorted(TACTIC_KEYS)}: one GEMM tactic per M bucket)")
+                             f"(known: {sorted(TACTIC_KEYS)}: one GEMM tactic per M bucket, and the chain's)")
+        if chain_above is not None and (not isinstance(chain_above, int) or isinstance(chain_above, bool)
+                                        or chain_above < 0):
+            raise ValueError(f"chain_above must be None or an int >= 0, got {chain_above!r}")
+        self.chain_above = chain_above
         resolved = default_tactics(interpret=interpret_mode())
         for key, t in tactics.items():
             if not isinstance(t, dict):
@@ -86,11 +118,20 @@ class Projector:
             G.check_tactics(resolved[key])
         self.tactics = tactics
         self._buckets = [(top, resolved[key]) for key, top in BUCKETS]
+        self._chain = resolved[CHAIN_KEY]
         self._ptr = {id(t): {**t, "variant": "ptr", "persistent": False, "flatten": False, "warp_spec": False}
-                     for _, t in self._buckets}
+                     for t in [*(t for _, t in self._buckets), self._chain]}
         self._variants: dict = {}  # (id(tactic), K, has prefix, has shared) -> launch Variant
 
+    def uses_chain(self, M: int) -> bool:
+        """Whether a batch of ``M`` tokens runs the single K chain (else the tree)."""
+        return self.chain_above is not None and M > self.chain_above
+
     def tactic_for(self, M: int) -> dict:
+        """The tactic a batch of ``M`` tokens runs (the chain's where :meth:`uses_chain`)."""
+        return self._chain if self.uses_chain(M) else self._bucket(M)
+
+    def _bucket(self, M: int) -> dict:
         for top, t in self._buckets:
             if top is None or M <= top:
                 return t
@@ -134,13 +175,14 @@ class Projector:
             if shared_sum is not None:
                 acc = acc + shared_sum.float()
             return out.copy_(acc)
-        t = self.tactic_for(M)
+        chain = self.uses_chain(M)
+        t = self._chain if chain else self._bucket(M)
         if t["variant"] == "tma" and not G.tma_ok(normed, up_weight):
             t = self._ptr[id(t)]
-        key = (id(t), K, prefix_hidden is not None, shared_sum is not None)
+        key = (id(t), chain, K, prefix_hidden is not None, shared_sum is not None)
         variant = self._variants.get(key)
-        if variant is None:  # the compile-time part, once per (tactic, K, epilogue operands)
-            kernel, kw = G.gemm_compile_time(t, K, prefix_hidden is not None, shared_sum is not None)
+        if variant is None:  # the compile-time part, once per (tactic, arithmetic, K, epilogue operands)
+            kernel, kw = G.gemm_compile_time(t, K, prefix_hidden is not None, shared_sum is not None, chain=chain)
             kw = dict(kw)
             warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
             variant = self._variants[key] = L.kernel(kernel).variant(num_warps=warps, num_stages=stages, **kw)
@@ -155,16 +197,18 @@ _projectors: dict = {}
 
 def project(normed: torch.Tensor, up_weight: torch.Tensor, *, prefix_hidden: Optional[torch.Tensor] = None,
             shared_sum: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-            tactics: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            tactics: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+            chain_above: Optional[int] = None) -> torch.Tensor:
     """``out [M, N] = (prefix_hidden + normed @ up_weight^T) + shared_sum`` with fp32 accumulation, one rounding.
 
     ``normed [M, L]`` bf16/fp16; ``up_weight [N, L]`` same dtype (may be a row shard);
     ``prefix_hidden [M, N]`` 16-bit or None; ``shared_sum [M, N]`` fp32 or 16-bit or None; any strides
     (column slices of wider tensors are fine); ``out_dtype`` defaults to ``normed.dtype``;
-    ``out``: optional ``[M, N]`` tensor of ``out_dtype`` to write (any strides; e.g. a send area).
+    ``out``: optional ``[M, N]`` tensor of ``out_dtype`` to write (any strides; e.g. a send area);
+    ``chain_above``: :class:`Projector`'s (None: the tree at every M).
     """
-    key = repr(sorted((tactics or {}).items()))
+    key = (repr(sorted((tactics or {}).items())), repr(chain_above))  # repr: True and 1 are not one key
     p = _projectors.get(key)
     if p is None:
-        p = _projectors[key] = Projector(tactics)
+        p = _projectors[key] = Projector(tactics, chain_above=chain_above)
     return p(normed, up_weight, prefix_hidden=prefix_hidden, shared_sum=shared_sum, out_dtype=out_dtype, out=out)
