@@ -102,13 +102,13 @@ target = GPUTarget("cuda", job["cap"], 32)
 backend = make_backend(target)
 K, N, M = job["K"], job["N"], 64
 for name, kind in job["items"]:
-    t = G.CANDIDATES[name][0]
+    t, _, chain = G.candidate(name)
     a = torch.empty(M, K, dtype=torch.bfloat16)
     w = torch.empty(N, K, dtype=torch.bfloat16)
     out = torch.empty(M, N, dtype=torch.float32 if kind == "fp32" else torch.bfloat16)
     p = torch.empty(M, N, dtype=torch.bfloat16) if kind == "epi" else None
     s = torch.empty(M, N, dtype=torch.float32) if kind == "epi" else None
-    kern, g, args, kw = G.gemm_launch(t, a, w, out, p, s)
+    kern, g, args, kw = G.gemm_launch(t, a, w, out, p, s, chain=chain)
     kw = dict(kw)
     try:  # what JITFunction.run adds before binding (same options, same cache key)
         from triton import knobs
@@ -164,12 +164,12 @@ w = (torch.randn(N, K, generator=g, device=dev) * K ** -0.5).to(torch.bfloat16)
 for name in names:
     if name == os.environ.get("K3TAIL_BENCH_SMOKE_CRASH"):  # tests: the restart after a crash
         os._exit(3)
-    t = G.CANDIDATES[name][0]
+    t, _, chain = G.candidate(name)
     worst = 0.0
     for M in ((1, 300) if dev == "cuda" else (17,)):
         a = torch.randn(M, K, generator=g, device=dev).to(torch.bfloat16)
         out = torch.full((M, N), float("nan"), device=dev)
-        G.launch_gemm(t, a, w, out, num_sms=num_sms)
+        G.launch_gemm(t, a, w, out, num_sms=num_sms, chain=chain)
         ref = a.float() @ w.float().t()
         if dev == "cuda":
             torch.cuda.synchronize()
@@ -250,7 +250,7 @@ def inv_max_m(name: str, dry: bool = False) -> int:
     at, at least 256 (a decode tile at M = 8192 would take seconds and would never be picked
     there).  Every candidate's M = 1 row is compared with every other's, so a launcher that uses
     each config only up to this M keeps one set of bits at every M."""
-    return 1 << 30 if dry else max(256, 4 * max(G.CANDIDATES[name][1]))
+    return 1 << 30 if dry else max(256, 4 * max(G.candidate(name)[1]))
 
 
 def invariance(names, *, K, Ns, Ms, dev, dtype, num_sms, dry, log_every=True) -> dict:
@@ -273,11 +273,11 @@ def invariance(names, *, K, Ns, Ms, dev, dtype, num_sms, dry, log_every=True) ->
             for n in names:
                 if n in res["failed"] or M > inv_max_m(n, dry):
                     continue
-                t = G.CANDIDATES[n][0]
+                t, _, chain = G.candidate(n)
                 out = torch.full((M, N), float("nan"), dtype=torch.float32, device=dev)
                 try:
                     t_launch = time.perf_counter()
-                    G.launch_gemm(t, a, w, out, num_sms=num_sms)
+                    G.launch_gemm(t, a, w, out, num_sms=num_sms, chain=chain)
                     if n not in res["first_launch_s"]:  # > ~0.2 s: compiled here, the warm cache missed
                         res["first_launch_s"][n] = round(time.perf_counter() - t_launch, 3)
                 except Exception as e:  # a config that does not compile or launch here
@@ -366,12 +366,12 @@ def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, f
             row["cublas32_epi_us"] = None
             row["cublas32_epi_error"] = f"{type(e).__name__}: {str(e)[:120]}"
         for n in names:
-            t, ms = G.CANDIDATES[n]
+            t, ms, chain = G.candidate(n)
             if n in failed or (not dry and M not in ms):
                 continue
 
-            def ours(i, t=t):
-                G.launch_gemm(t, a, ws[i], outs[i], num_sms=num_sms)
+            def ours(i, t=t, chain=chain):
+                G.launch_gemm(t, a, ws[i], outs[i], num_sms=num_sms, chain=chain)
 
             try:
                 row["ours"][n] = timer(ours, copies)["median_us"]
@@ -381,15 +381,15 @@ def run_timing(names, *, K, Ns, Ms, dev, dtype, num_sms, timer, budget_s, dry, f
             best = min(row["ours"], key=row["ours"].get)
             row["best"], row["best_us"] = best, row["ours"][best]
             row["ratio_vs_cublas"] = row["cublas_us"] / row["best_us"]
-            tb = G.CANDIDATES[best][0]
+            tb, _, cb = G.candidate(best)
 
             def ours_epi(i):
-                G.launch_gemm(tb, a, ws[i], outs[i], p, s, num_sms=num_sms)
+                G.launch_gemm(tb, a, ws[i], outs[i], p, s, num_sms=num_sms, chain=cb)
 
             row["best_epi_us"] = timer(ours_epi, copies)["median_us"]
             # the fused epilogue's result against the torch composition (fp32 acc differs in
             # summation order only: within one bf16 ulp)
-            G.launch_gemm(tb, a, ws[0], outs[0], p, s, num_sms=num_sms)
+            G.launch_gemm(tb, a, ws[0], outs[0], p, s, num_sms=num_sms, chain=cb)
             if dry or row.get("cublas32_epi_us") is None:
                 acc = a.float() @ ws[0].float().t()
             else:
@@ -425,8 +425,8 @@ def run_kernel_b(names, *, K, Ns, Ms, dev, dtype, timer, budget_s, dry, failed) 
     l2 = 50 << 20 if dry else getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
     gen = torch.Generator(device=dev).manual_seed(7)
     rows = []
-    bnames = [n for n in names if n not in failed and G.CANDIDATES[n][0]["block_m"] == 16
-              and G.CANDIDATES[n][0]["swap_ab"]]
+    bnames = [n for n in names if n not in failed and n in G.CANDIDATES and G.CANDIDATES[n][0]["block_m"] == 16
+              and G.CANDIDATES[n][0]["swap_ab"]]  # kernel B runs the tree: the chain's candidates are not its
     for N in Ns:
         copies = 2 if dry else max(2, math.ceil(3 * l2 / (N * K * 2)))
         ws = [(torch.randn(N, K, generator=gen, device=dev) * K ** -0.5).to(dtype) for _ in range(copies)]
@@ -470,8 +470,9 @@ def recommend(timings, inv, names) -> dict:
     """Per shape: the fastest candidate of each invariance class; the class with the best
     geometric-mean ratio to cuBLAS over the measured shapes; its best candidate per M bucket
     (one tactic for every N, by the geometric mean of time over N and M of the bucket)."""
-    classes = [[n for n in c if inv["self_consistent"].get(n)] for c in inv["classes"]]
-    classes = [c for c in classes if c]
+    classes = [[n for n in c if inv["self_consistent"].get(n) and G.candidate(n)[2] == chain]
+               for c in inv["classes"] for chain in (False, True)]  # the tree's and the chain's apart (where
+    classes = [c for c in classes if c]  # they share bits, as on tiny shapes, they still are two arithmetics)
     out = {"classes": classes, "per_class": []}
     for c in classes:
         shapes, logs = {}, []
@@ -495,13 +496,20 @@ def recommend(timings, inv, names) -> dict:
                     score[n] = sum(ts) / len(ts)
             if score:
                 per_bucket[bk] = min(score, key=score.get)
-        out["per_class"].append({"members": c, "shapes": shapes, "per_bucket": per_bucket,
+        out["per_class"].append({"members": c, "chain": G.candidate(c[0])[2],
+                                 "shapes": shapes, "per_bucket": per_bucket,
                                  "geomean_ratio_vs_cublas": math.exp(sum(logs) / len(logs)) if logs else None,
                                  "covered_shapes": len(shapes)})
-    if out["per_class"]:
-        best = max(out["per_class"], key=lambda x: (x["covered_shapes"], x["geomean_ratio_vs_cublas"] or 0))
+    tree = [x for x in out["per_class"] if not x["chain"]]  # the table is the tree's (gemm.DEFAULTS); the
+    if tree:  # chain's classes (gemm.CHAIN_CANDIDATES: the fast mode's large M) are reported beside it
+        best = max(tree, key=lambda x: (x["covered_shapes"], x["geomean_ratio_vs_cublas"] or 0))
         out["chosen_class"] = best["members"]
         out["table"] = best["per_bucket"]
+    chain = [x for x in out["per_class"] if x["chain"]]
+    if chain:
+        best = max(chain, key=lambda x: (x["covered_shapes"], x["geomean_ratio_vs_cublas"] or 0))
+        out["chain_class"] = best["members"]
+        out["chain_large"] = best["per_bucket"].get("large")
     return out
 
 
@@ -511,7 +519,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="short timings (fits one device call, < 3 min)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes: control flow only")
     ap.add_argument("--budget-s", type=float, default=None, help="stop timing after this many seconds in all")
-    ap.add_argument("--candidates", default="", help="comma-separated subset of gemm.CANDIDATES")
+    ap.add_argument("--candidates", default="", help="comma-separated subset of gemm.CANDIDATES and "
+                    "gemm.CHAIN_CANDIDATES (the chain's, c_...: another bit-class, timed beside the tree's)")
     ap.add_argument("--workers", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--name", default=None, help="basename of the JSON under --out (default: gemm_<device>)")
     args = ap.parse_args()
@@ -519,8 +528,11 @@ def main():
     if not dry and not torch.cuda.is_available():
         sys.exit("bench_gemm needs a CUDA GPU (or --dry-run)")
     budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 900.0)
-    names = [n for n in G.CANDIDATES if not args.candidates or n in args.candidates.split(",")]
-    skipped_ws = [n for n in names if G.CANDIDATES[n][0]["warp_spec"] and not G.warp_spec_supported()]
+    names = [n for n in (*G.CANDIDATES, *G.CHAIN_CANDIDATES) if not args.candidates or n in args.candidates.split(",")]
+    unknown = sorted(set(filter(None, args.candidates.split(","))) - set(G.CANDIDATES) - set(G.CHAIN_CANDIDATES))
+    if unknown:
+        sys.exit(f"bench_gemm: unknown candidates {unknown}")
+    skipped_ws = [n for n in names if G.candidate(n)[0]["warp_spec"] and not G.warp_spec_supported()]
     names = [n for n in names if n not in skipped_ws]
     dev = "cpu" if dry else "cuda"
     dtype = torch.bfloat16
@@ -534,7 +546,8 @@ def main():
     m = meta(dry)
     log(f"{m['device']} torch {m['torch']} triton {m['triton']} commit {m['commit']}: {len(names)} candidates"
         + (f" (warp_spec ones skipped on this Triton: {skipped_ws})" if skipped_ws else ""))
-    result = {**m, "K": K, "Ns": list(Ns), "candidates": {n: G.CANDIDATES[n][0] for n in names},
+    result = {**m, "K": K, "Ns": list(Ns), "candidates": {n: G.candidate(n)[0] for n in names},
+              "chain_candidates": [n for n in names if G.candidate(n)[2]],
               "skipped_warp_spec": skipped_ws, "block_k": G.BLOCK_K.value}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -578,7 +591,7 @@ def main():
     timings = run_timing(names, K=K, Ns=Ns, Ms=time_ms, dev=dev, dtype=dtype, num_sms=num_sms, timer=timer,
                          budget_s=budget, dry=dry, failed=failed, on_row=partial)
     result["timings"] = timings
-    result["winners"] = {f"M{r['M']}_N{r['N']}": {"best": r["best"], "tactic": G.CANDIDATES[r["best"]][0],
+    result["winners"] = {f"M{r['M']}_N{r['N']}": {"best": r["best"], "tactic": G.candidate(r["best"])[0],
                                                   "us": r["best_us"], "cublas_us": r["cublas_us"],
                                                   "ratio_vs_cublas": r["ratio_vs_cublas"],
                                                   "epi_us": r.get("best_epi_us"),

@@ -108,15 +108,28 @@ def host_time_us(call, n: int = 20) -> float:
     return dt
 
 
-def part_b_c(ms, budget, say):
+def part_b_c(ms, budget, say, chain_above=None):
     """(b) K3MoETail W = 1 vs the compiled composite, eager (CUDA events around each call: a host-bound
-    call is measured as host-bound) and in graph replay; (c) host time and launches of one eager call."""
+    call is measured as host-bound) and in graph replay; (c) host time and launches of one eager call.
+    ``chain_above``: also time (eager and graph, deferred inputs) a second module built with
+    ``projection.FAST_CHAIN_ABOVE = chain_above`` (the fast mode's single K chain above that M: the
+    staged arithmetic of issue 29, ``triton_kernels/gemm.py`` "The chain"), beside the default one."""
     from k3tail.config import TailConfig
     from k3tail.module import K3MoETail
+    from k3tail.ops import projection
     from k3tail.runtime import launch as KL
 
     out = {}
     mod = K3MoETail(TailConfig(max_tokens=max(ms), **K3), prefix="bench.prefill.w1")
+    mod_chain = None
+    if chain_above is not None:
+        saved = projection.FAST_CHAIN_ABOVE
+        projection.FAST_CHAIN_ABOVE = chain_above
+        try:
+            mod_chain = K3MoETail(TailConfig(max_tokens=max(ms), **K3), prefix="bench.prefill.w1.chain")
+        finally:
+            projection.FAST_CHAIN_ABOVE = saved
+        assert mod_chain.negotiated["chain_above"] == chain_above, mod_chain.negotiated["chain_above"]
     comp = torch.compile(plain_tail)
     gamma, ups = BG.rank_weights(hidden=K3["hidden"], latent=K3["latent"], up_rows=K3["hidden"], copies=1,
                                 dtype=torch.bfloat16, device="cuda", seed=1)
@@ -147,6 +160,22 @@ def part_b_c(ms, budget, say):
              "deferred": d, "materialized": m, "compiled_composite": c,
              "deferred_over_materialized": ratio(d["median_us"], m["median_us"]),
              "speedup_vs_compiled": ratio(c["median_us"], d["median_us"]), "max_abs_diff_vs_composite": err}
+        if mod_chain is not None:
+            def call_chain(ins):
+                return mod_chain(**ins, norm_weight=gamma, up_weight=up, graph_phase=False)
+
+            y = call_chain(tri)
+            ch_e = BT.time_eager(lambda i: call_chain(tri), budget_s=budget)
+            ch_g = BT.time_graph(lambda i: call_chain(tri), budget_s=budget)
+            r["chain"] = {"chain_above": chain_above, "chain": M > chain_above, "eager": ch_e, "graph": ch_g,
+                          "eager_speedup_vs_compiled": ratio(c_e["median_us"], ch_e["median_us"]),
+                          "speedup_vs_compiled": ratio(c["median_us"], ch_g["median_us"]),
+                          "max_abs_diff_vs_composite": (y.double() - theirs.double()).abs().max().item(),
+                          "max_abs_diff_vs_tree": (y.double() - ours.double()).abs().max().item()}
+            say(f"(b) M={M} chain above {chain_above} ({'chain' if M > chain_above else 'tree'}): eager "
+                f"{ch_e['median_us']:.1f} us ({r['chain']['eager_speedup_vs_compiled']:.2f}x the compiled "
+                f"composite), graph {ch_g['median_us']:.1f} us ({r['chain']['speedup_vs_compiled']:.2f}x); "
+                f"max |chain - tree| {r['chain']['max_abs_diff_vs_tree']:.3g}")
         say(f"(b) M={M} ({r['tier']}, path {r['path']}): eager {d_e['median_us']:.1f} us vs compiled composite "
             f"{c_e['median_us']:.1f} us ({r['eager_speedup_vs_compiled']:.2f}x); "
             f"graph: deferred {d['median_us']:.1f} us, "
@@ -246,6 +275,9 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=0.5)
     ap.add_argument("--parts", default="a,b,d")
+    ap.add_argument("--chain-above", type=int, default=None,
+                    help="(b) also time a module whose projection runs the single K chain above this M "
+                         "(projection.FAST_CHAIN_ABOVE; the staged fast-mode arithmetic of issue 29)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_prefill needs a CUDA GPU", file=sys.stderr)
@@ -257,7 +289,7 @@ def main() -> int:
     if "a" in parts:
         res["finalize_w1"] = part_a(args.m, args.budget_s, say)
     if "b" in parts:
-        res["tail_w1"] = part_b_c(args.m, args.budget_s, say)
+        res["tail_w1"] = part_b_c(args.m, args.budget_s, say, chain_above=args.chain_above)
     if "d" in parts:
         res[f"loopback_w{args.world_size}"] = part_d(args.loopback_m, args.world_size, args.budget_s, say)
     targets = []
@@ -276,6 +308,11 @@ def main() -> int:
         if e:
             targets.append(verdict(e["eager_speedup_vs_compiled"] >= want, f"K3MoETail W=1 eager M={M} "
                                    f"{e['eager_speedup_vs_compiled']:.2f}x the compiled composite (target >= {want}x)"))
+        if e and "chain" in e:
+            ch = e["chain"]
+            say(f"INFO K3MoETail W=1 eager M={M} with the chain above {ch['chain_above']}: "
+                f"{ch['eager_speedup_vs_compiled']:.2f}x the compiled composite (target >= {want}x if it becomes "
+                f"the default)")
     for M, e in res.get("tail_w1", {}).items():  # issue 19: host time of one eager call <= 100 us
         targets.append(verdict(e["host"]["median_us"] <= 100, f"eager host time M={M} {e['host']['median_us']:.0f} us, "
                                f"{e['host']['gpu_kernels']} kernels (target <= 100 us)"))
@@ -303,6 +340,9 @@ def main() -> int:
         series["K3MoETail W=1 deferred"] = [(int(M), v["deferred"]["median_us"]) for M, v in res["tail_w1"].items()]
         series["compiled composite W=1"] = [(int(M), v["compiled_composite"]["median_us"])
                                             for M, v in res["tail_w1"].items()]
+        chain = [(int(M), v["chain"]["graph"]["median_us"]) for M, v in res["tail_w1"].items() if "chain" in v]
+        if chain:
+            series[f"K3MoETail W=1 chain above {args.chain_above}"] = chain
     if d:
         series[f"W={args.world_size} sharded"] = [(int(M), v["sharded"]["median_us"]) for M, v in d.items()]
         series[f"W={args.world_size} allreduce (old)"] = [(int(M), v["allreduce"]["median_us"]) for M, v in d.items()]

@@ -468,8 +468,9 @@ def test_bench_dry_run(tmp_path):
     # test_every_candidate_* above, and each one here costs a smoke child of its own): one of each family
     # (persistent, tiled, the split-N tiles, a prefetching one), with the crashing one among them and
     # candidates on both sides of it, so the smoke child must restart and go on with the rest.
-    picked = ["p_s16x16_w4_s16", "t_s16x16_w4_s16", crash, "t_n64x16_w4_s16", "t_n64x128_w4_s4_p"]
-    assert set(picked) <= set(G.CANDIDATES), picked
+    # one of the chain's candidates (gemm.CHAIN_CANDIDATES) too: timed beside the tree's, reported apart
+    picked = ["p_s16x16_w4_s16", "t_s16x16_w4_s16", crash, "t_n64x16_w4_s16", "t_n64x128_w4_s4_p", "c_n64x128_w4_s4_p"]
+    assert set(picked) <= set(G.CANDIDATES) | set(G.CHAIN_CANDIDATES), picked
     env = {**os.environ, "TRITON_INTERPRET": "1", "K3TAIL_BENCH_SMOKE_CRASH": crash}
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gemm.py"), "--dry-run", "--out", str(tmp_path),
                         "--candidates", ",".join(picked)],
@@ -488,3 +489,10 @@ def test_bench_dry_run(tmp_path):
     assert set(d["candidates"]) == set(picked), d["candidates"]
     assert timed == set(picked) - {crash}, timed
     assert "recommendation" in d and d["recommendation"]["classes"]
+    rec = d["recommendation"]
+    assert d["chain_candidates"] == ["c_n64x128_w4_s4_p"], d["chain_candidates"]
+    assert rec["chain_class"] == ["c_n64x128_w4_s4_p"] and "c_n64x128_w4_s4_p" not in rec["chosen_class"], rec
+    r2 = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gemm.py"), "--dry-run", "--out", str(tmp_path),
+                         "--candidates", "p_s16x16_w4_s16,no_such_tile"], capture_output=True, text=True, env=env,
+                        timeout=300, cwd=ROOT)
+    assert r2.returncode != 0 and "no_such_tile" in r2.stderr, r2.stderr[-2000:]
