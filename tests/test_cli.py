@@ -228,6 +228,25 @@ def test_tune_specs_cover_the_ops_tactic_keys():
     with pytest.raises(ValueError):
         TT.SPECS["project"].build(types.SimpleNamespace(world_size=1), cfg, {"m16": {"block_n": 24}}, "t", 1.0, 16)
     assert TT.spec_shape(cfg) == "H=7168,K=16,L=3584,dtype=bf16"
+    # where the fast mode runs the chain above some M, the chain's tile is swept too (its own candidates)
+    from k3tail.ops import projection
+    from k3tail.triton_kernels import gemm as G
+
+    op = TT.SPECS["project"].build(types.SimpleNamespace(world_size=1), cfg, {}, "t", 1.0, 16)[0]
+    assert set(op.resolved()) == {"m16", "m256", "large"}
+    saved = projection.FAST_CHAIN_ABOVE
+    try:
+        projection.FAST_CHAIN_ABOVE = 256
+        sp = TT.SPECS["project"].space(True, 8, cfg)
+        assert set(sp) == {"m16", "m256", "large", "chain"}, set(sp)
+        assert sp["chain"] == [dict(t) for t, _ in G.CHAIN_CANDIDATES.values()]
+        op = TT.SPECS["project"].build(types.SimpleNamespace(world_size=1), cfg, {"chain": sp["chain"][1]}, "t",
+                                       1.0, 16)[0]
+        res = op.resolved()
+        assert res["chain"] == {**op.proj.tactic_for(257)} and res["large"] == op.proj.tree_tactic(1 << 30)
+        assert res["chain"]["block_n"] == sp["chain"][1]["block_n"] and op.proj.uses_chain(257)
+    finally:
+        projection.FAST_CHAIN_ABOVE = saved
 
 
 def test_write_results_and_meta(tmp_path):

@@ -129,9 +129,10 @@ class Projector:
 
     def tactic_for(self, M: int) -> dict:
         """The tactic a batch of ``M`` tokens runs (the chain's where :meth:`uses_chain`)."""
-        return self._chain if self.uses_chain(M) else self._bucket(M)
+        return self._chain if self.uses_chain(M) else self.tree_tactic(M)
 
-    def _bucket(self, M: int) -> dict:
+    def tree_tactic(self, M: int) -> dict:
+        """The tree's tactic of the M bucket of ``M`` (whether or not this M runs the chain)."""
         for top, t in self._buckets:
             if top is None or M <= top:
                 return t
@@ -176,7 +177,7 @@ class Projector:
                 acc = acc + shared_sum.float()
             return out.copy_(acc)
         chain = self.uses_chain(M)
-        t = self._chain if chain else self._bucket(M)
+        t = self._chain if chain else self.tree_tactic(M)
         if t["variant"] == "tma" and not G.tma_ok(normed, up_weight):
             t = self._ptr[id(t)]
         key = (id(t), chain, K, prefix_hidden is not None, shared_sum is not None)

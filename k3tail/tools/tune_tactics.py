@@ -177,14 +177,18 @@ class _Project:
     """``project`` with a fixed tactic (the per-rank "op" of ProjectSpec)."""
 
     def __init__(self, tactic: dict):
-        from k3tail.ops.projection import Projector
+        from k3tail.ops.projection import Projector, fast_chain_above
 
-        self.tactic, self.proj = tactic, Projector(tactic)  # raises ValueError on a bad tactic
+        # the module's fast-mode policy (the default config): the chain above FAST_CHAIN_ABOVE, if set
+        self.tactic, self.proj = tactic, Projector(tactic, chain_above=fast_chain_above(False))  # ValueError: bad
 
     def resolved(self) -> dict:
-        from k3tail.ops.projection import BUCKETS
+        from k3tail.ops.projection import BUCKETS, CHAIN_KEY
 
-        return {key: dict(self.proj.tactic_for(top if top is not None else 1 << 30)) for key, top in BUCKETS}
+        out = {key: dict(self.proj.tree_tactic(top if top is not None else 1 << 30)) for key, top in BUCKETS}
+        if self.proj.chain_above is not None:
+            out[CHAIN_KEY] = dict(self.proj.tactic_for(self.proj.chain_above + 1))
+        return out
 
     def __call__(self, *args, **kwargs):
         return self.proj(*args, **kwargs)
@@ -193,8 +197,10 @@ class _Project:
 def _bucket_candidates(full: bool) -> Dict[str, list]:
     """The GEMM family's candidates (``triton_kernels.gemm.CANDIDATES``) for each of ``project``'s M
     buckets: those timed at an M of the bucket.  bench/bench_gemm.py checks on the device that they give
-    the same bits (on the H200 every candidate did): a table must only mix candidates of one bit-class."""
-    from k3tail.ops.projection import BUCKETS
+    the same bits (on the H200 every candidate did): a table must only mix candidates of one bit-class.
+    Where the fast mode runs the chain (``projection.FAST_CHAIN_ABOVE`` set), also the chain's tile
+    (``"chain"``: ``gemm.CHAIN_CANDIDATES``, the chain's own bit-class)."""
+    from k3tail.ops.projection import BUCKETS, CHAIN_KEY, fast_chain_above
     from k3tail.triton_kernels import gemm as G
 
     out: Dict[str, list] = {}
@@ -205,12 +211,17 @@ def _bucket_candidates(full: bool) -> Dict[str, list]:
                  and (G.warp_spec_supported() or not t["warp_spec"])]
         out[key] = [dict(G.CANDIDATES[n][0]) for n in (names if full else names[:4])]
         lo = hi
+    if fast_chain_above(False) is not None:
+        names = [n for n, (t, _) in G.CHAIN_CANDIDATES.items() if G.warp_spec_supported() or not t["warp_spec"]]
+        out[CHAIN_KEY] = [dict(G.CHAIN_CANDIDATES[n][0]) for n in (names if full else names[:4])]
     return out
 
 
 class ProjectSpec(Spec):
     """``k3tail.project`` on this rank's shard ``[H/W, L]`` (no communication; every virtual rank runs it
-    on its own stream, as in the tiers): one GEMM tactic per M bucket (``m16``, ``m256``, ``large``)."""
+    on its own stream, as in the tiers): one GEMM tactic per M bucket (``m16``, ``m256``, ``large``), and
+    the chain's (``chain``) where the fast mode runs it (``projection.FAST_CHAIN_ABOVE`` below 1024, the
+    largest M timed)."""
 
     name = "project"
 
