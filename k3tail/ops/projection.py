@@ -121,7 +121,7 @@ class Projector:
         self._chain = resolved[CHAIN_KEY]
         self._ptr = {id(t): {**t, "variant": "ptr", "persistent": False, "flatten": False, "warp_spec": False}
                      for t in [*(t for _, t in self._buckets), self._chain]}
-        self._variants: dict = {}  # (id(tactic), K, has prefix, has shared) -> launch Variant
+        self._variants: dict = {}  # (id(tactic), chain, K, has prefix, has shared) -> launch Variant
 
     def uses_chain(self, M: int) -> bool:
         """Whether a batch of ``M`` tokens runs the single K chain (else the tree)."""
