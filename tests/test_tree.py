@@ -171,6 +171,24 @@ def test_projector_chain_exact():
             assert torch.equal(out2.view(torch.int32), want.view(torch.int32)), (A, M, tactics)
 
 
+def test_chain_candidates_exact():
+    """Every tile of ``gemm.CHAIN_CANDIDATES`` (128x256 included, TMA, persistent) gives the chain's exact
+    fp32 bits with ``chain=True`` and the tree's without (the exact construction, M = 17, a partial tile)."""
+    from k3tail.triton_kernels import gemm as G
+
+    K, N, M = 1024, 72, 17
+    a, w = exact_case(M, N, K, seed=917)
+    want = {True: R.project_tree(a, w, K // 64), False: R.project_tree(a, w, tree_chunks(K))}
+    assert not torch.equal(want[True], want[False])
+    for name, (t, _) in G.CHAIN_CANDIDATES.items():
+        for chain in (True, False):
+            out = T.poison_(torch.empty(M, N, dtype=torch.float32))
+            G.launch_gemm(t, a, w, out, num_sms=4, chain=chain)
+            assert torch.equal(out.view(torch.int32), want[chain].view(torch.int32)), (name, chain)
+    with pytest.raises(ValueError, match="chain"):
+        G.gemm_compile_time(G.CHAIN_CANDIDATES[G.CHAIN_DEFAULT][0], K, False, False, chain=1)
+
+
 def test_projector_chain_rejects():
     """``chain_above`` is None or an int >= 0; the chain's tactic is checked like any GEMM tactic; the
     policy gives the chain only where batch invariance is off."""
