@@ -12,7 +12,8 @@ every Python frame (the figures printed first are measured without it).  ``--dev
 the kernels would run in the interpreter) reports k3tail's own Python alone, then with each launch
 prepared as on a GPU (Triton's launcher a no-op) and the number of Python function calls per eager
 call (steady where timings on a shared CPU are not), for work on the host path without a device;
-there the index check of the CPU tensors runs too, which a GPU call skips.
+there the index check of the CPU tensors runs too, which a GPU call skips, and the projection takes
+the GPU's tactics (the TMA tile and its two host descriptors at large M; no kernel runs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 from k3tail import testing as T  # noqa: E402
 from k3tail.config import TailConfig  # noqa: E402
 from k3tail.module import K3MoETail  # noqa: E402
+from k3tail.ops import projection as P  # noqa: E402
 from k3tail.runtime import launch as L  # noqa: E402
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
@@ -45,6 +47,9 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if dev.type == "cpu":  # the projection's tactics as on a GPU (the TMA tile at large M, its descriptors
+        P.interpret_mode = lambda: False  # built per call), not the interpreter's pointer tiles; nothing
+        P.G.tma_ok = lambda a, w: True  # runs on the CPU here (every launch is stubbed or a no-op)
     mod = K3MoETail(TailConfig(max_tokens=max(args.ms), **K3), prefix="bench.profile_host", device=dev)
     for M in args.ms:
         prefix, gamma, up, shared, rt = T.tail_inputs(M=M, W=1, rank=0, form="triple", seed=M, device=dev, **K3)
@@ -55,7 +60,8 @@ def main():
         if dev.type == "cpu":
             prep, ncalls = _launch_prep(mod, ins, args.calls)
             print(f"== M={M}: k3tail's own Python {own:.1f} us per eager call, launches stubbed ({launches} "
-                  f"launches; {args.calls} calls, plan {mod.plan_for(M, False)}); with the launches prepared as "
+                  f"launches; {args.calls} calls, plan {mod.plan_for(M, False)}, projection "
+                  f"{mod.context.project.tactic_for(M)['variant']}); with the launches prepared as "
                   f"on a GPU (signature, compiled-kernel lookup; Triton's launcher a no-op) {prep:.1f} us, "
                   f"{ncalls:.0f} Python calls per eager call")
             continue

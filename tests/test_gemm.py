@@ -300,6 +300,59 @@ def _compile(names):
     return json.loads(r.stdout.split("RESULT", 1)[1])
 
 
+_BINDER = r'''
+import json, os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from k3tail.triton_kernels import gemm as G
+backend = make_backend(GPUTarget("cuda", 90, 32))
+a = torch.empty(1024, 3584, dtype=torch.bfloat16)
+w = torch.empty(896, 3584, dtype=torch.bfloat16)
+out = torch.empty(1024, 896, dtype=torch.bfloat16)
+res = {}
+for name in (G.DEFAULTS[None], G.DEFAULTS[256], G.CHAIN_DEFAULT):
+    t, _, chain = G.candidate(name)
+    kern, kw = G.gemm_compile_time(t, 3584, False, False, chain=chain)
+    kw = dict(kw)
+    binder = create_function_from_signature(kern.signature, kern.params, backend)
+    for checked in (False, True):
+        g, args = G.gemm_runtime_args(t, a, w, out, checked=checked)
+        bound, spec, opts = binder(*args, **kw)
+        options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, opts)
+        res[f"{name}/{checked}"] = repr((signature, sorted(constexprs.items(), key=str), attrs))
+print("RESULT" + json.dumps(res))
+'''
+
+
+def test_host_descriptor_is_tritons():
+    """``gemm.host_descriptor`` (the projection's TMA descriptors without the dataclass's per-call checks,
+    issue 30) makes a ``TensorDescriptor`` equal to the dataclass's own, field for field, and Triton's JIT
+    binder specializes a launch on it exactly as on the dataclass's (same signature, constexprs and
+    attributes: the same compiled kernel), for the large-M, small-M and chain tiles."""
+    from dataclasses import fields
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    make = G.host_descriptor()
+    assert make is not TensorDescriptor  # the fast path engages on this Triton
+    a = torch.empty(40, 192, dtype=torch.bfloat16)
+    for args in ((a, [40, 192], [192, 1], [16, 64]), (a[8:], [32, 192], [192, 1], [32, 64])):
+        d, ref = make(*args), TensorDescriptor(*args)
+        assert type(d) is TensorDescriptor and d == ref
+        assert {f.name: getattr(d, f.name) for f in fields(ref)}.keys() == {f.name for f in fields(ref)}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", _BINDER], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.split("RESULT", 1)[1])
+    for name in (G.DEFAULTS[None], G.DEFAULTS[256], G.CHAIN_DEFAULT):
+        assert "tensordesc" in res[f"{name}/False"], res[f"{name}/False"]
+        assert res[f"{name}/True"] == res[f"{name}/False"], name
+
+
 def test_chain_candidates_compile_for_sm90():
     """The chain's candidates (``gemm.CHAIN_CANDIDATES``: TREE_S = 1, one accumulator) compile for sm_90
     with TMA and wgmma, one K loop inside the tile loop, one wgmma in flight in it, and no spill stores,

@@ -262,10 +262,19 @@ def test_variant_signature_splits_where_spec_key_does():
     ints = [0, 1, 2, 16, 17, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 40, 2 ** 63, 2 ** 63 + 16, -(2 ** 31) - 1,
             np.int64(16)]
     other = [True, False, 1.5, 0.0, np.float64(2.0), None]
-    pool = [tens + ints[:3] + [None], ints + [1.5, True], ints, tens + [None], tens + ints + other]
+    # host TMA descriptors (their own path in the signature: dtype and box, read inline), from Triton's
+    # dataclass and from gemm.host_descriptor (the projection's), which must key alike
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from k3tail.triton_kernels.gemm import host_descriptor
+
+    fast = host_descriptor()
+    descs = [mk(b, [64], [1], [blk]) for mk in (TensorDescriptor, fast) for b in (buf, buf.float())
+             for blk in (16, 32)]
+    pool = [tens + ints[:3] + [None], ints + [1.5, True], ints, tens + [None], tens + ints + other + descs]
     rng = random.Random(1234)
     combos = [tuple(rng.choice(p) for p in pool) for _ in range(400)]
-    combos += [(buf, 16, 3, buf, x) for x in ints + other + tens]  # one position through every kind
+    combos += [(buf, 16, 3, buf, x) for x in ints + other + tens + descs]  # one position through every kind
 
     def slow(args):
         return tuple((type(a), L.spec_key(a, i not in dns)) for i, a in enumerate(args))

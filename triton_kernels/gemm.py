@@ -671,9 +671,51 @@ def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool, *, ch
     return gemm_tma_kernel, kw
 
 
-def gemm_runtime_args(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132) -> tuple:
+_FAST_DESC = []  # [factory]: host_descriptor()'s, built at first use
+
+
+def host_descriptor():
+    """A constructor ``make(base, shape, strides, block_shape)`` of Triton's host ``TensorDescriptor``
+    without the dataclass's per-call checks (``__init__`` + ``__post_init__`` + ``validate_block_shape``:
+    about 30 Python calls for the two descriptors of an eager large-M projection, issue 30's host time).
+    The object is a ``TensorDescriptor`` instance whose fields equal the dataclass's own (the optional
+    ones at their declared defaults, whichever Triton declares them: ``padding`` in 3.6,
+    ``round_f32_to_tf32`` too in 3.9), so Triton's binder and launcher see the same thing.  The checks
+    it skips are its caller's to make: 16-byte aligned base and row stride, unit last stride
+    (:func:`tma_ok`), positive extents, power-of-two boxes (:func:`check_tactics`).  Where the class is
+    not the dataclass this expects (other required fields, slots), it is the class itself."""
+    if _FAST_DESC:
+        return _FAST_DESC[0]
+    import dataclasses
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    make = TensorDescriptor
+    try:
+        fields = dataclasses.fields(TensorDescriptor)
+    except TypeError:  # not a dataclass
+        fields = None
+    if fields is not None and not hasattr(TensorDescriptor, "__slots__"):
+        missing = dataclasses.MISSING
+        required = [f.name for f in fields if f.default is missing and f.default_factory is missing]
+        defaults = {f.name: f.default for f in fields if f.default is not missing}
+        if required == ["base", "shape", "strides", "block_shape"] and len(defaults) == len(fields) - 4:
+            new = object.__new__
+
+            def make(base, shape, strides, block_shape):
+                d = new(TensorDescriptor)
+                d.__dict__.update(defaults, base=base, shape=shape, strides=strides, block_shape=block_shape)
+                return d
+    _FAST_DESC.append(make)
+    return make
+
+
+def gemm_runtime_args(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: int = 132,
+                      checked: bool = False) -> tuple:
     """The per-call part of a launch of tactic ``t``: ``(grid, args)`` (the runtime arguments in the
-    kernel's order; the tma variant builds its two host ``TensorDescriptor`` objects here)."""
+    kernel's order; the tma variant builds its two host ``TensorDescriptor`` objects here).
+    ``checked``: the caller made :func:`tma_ok`'s checks on ``a`` and ``w`` (and ``t`` passed
+    :func:`check_tactics`), so the descriptors skip Triton's own (:func:`host_descriptor`)."""
     M, K = a.shape
     N = w.shape[0]
     pf = prefix if prefix is not None else out  # never read (HAS_PREFIX / HAS_SHSUM False)
@@ -683,10 +725,12 @@ def gemm_runtime_args(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: 
     if t["variant"] == "ptr":
         return g, (a, w, pf, sh, out, M, N, a.stride(0), a.stride(1), w.stride(0), w.stride(1)) + tail
     assert t["variant"] == "tma"  # TMA's alignment rules: the caller's tma_ok, and TensorDescriptor's own checks
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [t["block_m"], BLOCK_K.value])
-    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [t["block_n"], BLOCK_K.value])
+    if checked:
+        make = _FAST_DESC[0] if _FAST_DESC else host_descriptor()
+    else:
+        from triton.tools.tensor_descriptor import TensorDescriptor as make
+    a_desc = make(a, [M, K], [a.stride(0), 1], [t["block_m"], BLOCK_K.value])
+    w_desc = make(w, [N, K], [w.stride(0), 1], [t["block_n"], BLOCK_K.value])
     return g, (a_desc, w_desc, pf, sh, out, M, N, g[0]) + tail
 
 

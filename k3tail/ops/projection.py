@@ -178,8 +178,8 @@ class Projector:
             return out.copy_(acc)
         chain = self.uses_chain(M)
         t = self._chain if chain else self.tree_tactic(M)
-        if t["variant"] == "tma" and not G.tma_ok(normed, up_weight):
-            t = self._ptr[id(t)]
+        if t["variant"] == "tma" and not G.tma_ok(normed, up_weight):  # (checked here: gemm_runtime_args'
+            t = self._ptr[id(t)]  # descriptors skip Triton's own checks)
         key = (id(t), chain, K, prefix_hidden is not None, shared_sum is not None)
         variant = self._variants.get(key)
         if variant is None:  # the compile-time part, once per (tactic, arithmetic, K, epilogue operands)
@@ -188,7 +188,8 @@ class Projector:
             warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
             variant = self._variants[key] = L.kernel(kernel).variant(num_warps=warps, num_stages=stages, **kw)
         sms = L.sm_count(dev) if dev.type == "cuda" else 1
-        grid, args = G.gemm_runtime_args(t, normed, up_weight, out, prefix_hidden, shared_sum, num_sms=sms)
+        grid, args = G.gemm_runtime_args(t, normed, up_weight, out, prefix_hidden, shared_sum, num_sms=sms,
+                                         checked=True)
         variant(grid, *args)
         return out
 

@@ -86,6 +86,14 @@ _DTYPE = operator.attrgetter("dtype")
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 
+def _is_descriptor_type(t: type) -> bool:
+    """Is ``t`` Triton's host TMA descriptor class (or a subclass)?  Asked once per tuple of argument
+    types (:meth:`Variant._layout`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return issubclass(t, TensorDescriptor)
+
+
 def spec_key(arg, specialize: bool):
     """What Triton 3.6-3.9 specialize a kernel on for one runtime argument (see the module docstring)."""
     if isinstance(arg, torch.Tensor):
@@ -191,7 +199,7 @@ class Variant:
         lay = self._layouts.get(types)
         if lay is None:
             lay = self._layout(types)
-        tget, tpos, tspec, iget, idns, oget, ospec = lay
+        tget, tpos, tspec, iget, idns, oget, ospec, dget = lay
         key = [types]
         argv = args
         if tpos:
@@ -209,6 +217,8 @@ class Variant:
             cls = [0 if -2147483648 <= v <= 2147483647 else 2 if 9223372036854775808 <= v <= 18446744073709551615
                    else 1 for v in ints]
             key.append(tuple([c if dns else (c, v == 1, not v & 15) for v, c, dns in zip(ints, cls, idns)]))
+        if dget is not None:  # host TMA descriptors: spec_key's (dtype, box), read inline (no call per one)
+            key.append(tuple([(d.base.dtype, tuple(d.block_shape)) for d in dget(args)]))
         if oget is not None:
             key.append(tuple([spec_key(a, s) for a, s in zip(oget(args), ospec)]))
         return tuple(key), argv
@@ -216,17 +226,20 @@ class Variant:
     def _layout(self, types: tuple) -> tuple:
         """The positions of each kind of argument for one tuple of argument types: tensors (with
         whether each is specialized on its alignment), plain ints (whether each is
-        ``do_not_specialize``), and the rest that :func:`spec_key` reads per call (host TMA
-        descriptors, int subclasses).  A bool, a float and None specialize on their type alone,
+        ``do_not_specialize``), host TMA descriptors (keyed by :func:`spec_key`'s dtype and box, read
+        inline: a large-M projection passes two per launch), and the rest that :func:`spec_key` reads
+        per call (int subclasses, ...).  A bool, a float and None specialize on their type alone,
         which ``types`` holds."""
         dns = self.kernel.dns
         tpos = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
         ipos = tuple(i for i, t in enumerate(types) if t is int)
+        dpos = tuple(i for i, t in enumerate(types) if _is_descriptor_type(t))
         opos = tuple(i for i, t in enumerate(types)
-                     if i not in tpos and i not in ipos and t not in (bool, float, type(None)))
+                     if i not in tpos and i not in ipos and i not in dpos and t not in (bool, float, type(None)))
         lay = (_getter(tpos) if tpos else None, tpos, tuple(i not in dns for i in tpos),
                _getter(ipos) if ipos else None, tuple(i in dns for i in ipos),
-               _getter(opos) if opos else None, tuple(i not in dns for i in opos))
+               _getter(opos) if opos else None, tuple(i not in dns for i in opos),
+               _getter(dpos) if dpos else None)
         with self._lock:
             return self._layouts.setdefault(types, lay)
 
