@@ -163,6 +163,14 @@ def project_tree(normed: torch.Tensor, up_weight: torch.Tensor, chunks: int, blo
     return acc
 
 
+def project_chain(normed: torch.Tensor, up_weight: torch.Tensor, block_k: int = 64) -> torch.Tensor:
+    """The single K chain (``gemm_compile_time(..., chain=True)``, the fast mode's large-M arithmetic):
+    fp32 ``acc`` of ``normed @ up_weight^T`` summed tile by tile in ascending K order from zero, each
+    ``block_k`` tile's partial rounded to fp32 once: :func:`project_tree` with one chunk per tile.  Bit
+    for bit the kernels' where every tile's partial is exact in fp32 (as for :func:`project_tree`)."""
+    return project_tree(normed, up_weight, -(-normed.shape[1] // block_k), block_k)
+
+
 def tail_tie_slack(*, partials: Sequence[torch.Tensor], norm_weight: torch.Tensor, up_weight: torch.Tensor,
                    eps: float, latent_dtype: torch.dtype = torch.bfloat16, tie_ulp: float = 2.0 ** -11):
     """Per-output absolute slack for latent elements that may legitimately round either way.

@@ -152,13 +152,12 @@ def test_projector_chain_exact():
     from k3tail.ops.projection import Projector, project
 
     K, N = 1024, 72
-    tiles = K // 64
     chains = [None, {"chain": {"block_m": 16, "block_n": 32, "swap_ab": True}},
               {"chain": {"variant": "tma", "block_m": 32, "block_n": 64, "persistent": True}}]
     for A, M in ((4, 5), (4, 4), (0, 1), (16, 17), (None, 40)):
         chain = A is not None and M > A
         a, w = exact_case(M, N, K, seed=200 + M)
-        want = R.project_tree(a, w, tiles if chain else tree_chunks(K))
+        want = R.project_chain(a, w) if chain else R.project_tree(a, w, tree_chunks(K))
         assert chain == torch.equal(want, _orders(a, w, tree_chunks(K))["chain"])
         for tactics in chains:
             p = Projector(tactics, chain_above=A)
@@ -178,7 +177,7 @@ def test_chain_candidates_exact():
 
     K, N, M = 1024, 72, 17
     a, w = exact_case(M, N, K, seed=917)
-    want = {True: R.project_tree(a, w, K // 64), False: R.project_tree(a, w, tree_chunks(K))}
+    want = {True: R.project_chain(a, w), False: R.project_tree(a, w, tree_chunks(K))}
     assert not torch.equal(want[True], want[False])
     for name, (t, _) in G.CHAIN_CANDIDATES.items():
         for chain in (True, False):
