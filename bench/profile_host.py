@@ -73,7 +73,9 @@ def main():
             mod(**ins)
         prof.disable()
         torch.cuda.synchronize()
-        print(f"== M={M}: host time {host:.1f} us per eager call ({args.calls} calls, plan {mod.plan_for(M, False)})")
+        ncalls = pstats.Stats(prof).total_calls / args.calls  # steady where a shared host's timings are not
+        print(f"== M={M}: host time {host:.1f} us per eager call ({args.calls} calls, plan {mod.plan_for(M, False)}, "
+              f"{ncalls:.0f} Python calls per call)")
         print(f"   of which k3tail's own Python {own:.1f} us (launches stubbed) and {launches} launches "
               f"{host - own:.1f} us ({(host - own) / max(launches, 1):.1f} us each)")
         for key in ("tottime", "cumulative"):
