@@ -226,6 +226,9 @@ CHAIN_CANDIDATES = {
     "c_n128x128_w8_s5_p": (_t("tma", 128, 128, False, 8, 5, persistent=True), (1024, 8192)),
     "c_n64x128_w4_s4_p": (_t("tma", 64, 128, False, 4, 4, persistent=True), (1024, 8192)),
     "c_n64x256_w8_s4_p_e2": (_t("tma", 64, 256, False, 8, 4, persistent=True, epi_split=2), (1024, 8192)),
+    # 256 token rows (the shape cuBLAS often takes at large M): no spills with the epilogue in two slices
+    # (928 bytes of spill stores without: ptxas sm_90, Triton 3.9)
+    "c_n256x128_w8_s3_p_e2": (_t("tma", 256, 128, False, 8, 3, persistent=True, epi_split=2), (1024, 8192)),
 }
 CHAIN_DEFAULT = "c_n128x256_w8_s3_p_e2"  # the chain's tile where no tuned table names one
 
