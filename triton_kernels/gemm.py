@@ -126,6 +126,8 @@ epilogue's order, tensor-core ``tl.dot`` with fp32 accumulation at every M.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -674,9 +676,7 @@ def gemm_compile_time(t: dict, K: int, has_prefix: bool, has_shared: bool, *, ch
     return gemm_tma_kernel, kw
 
 
-_FAST_DESC = []  # [factory]: host_descriptor()'s, built at first use
-
-
+@functools.cache
 def host_descriptor():
     """A constructor ``make(base, shape, strides, block_shape)`` of Triton's host ``TensorDescriptor``
     without the dataclass's per-call checks (``__init__`` + ``__post_init__`` + ``validate_block_shape``:
@@ -687,8 +687,6 @@ def host_descriptor():
     it skips are its caller's to make: 16-byte aligned base and row stride, unit last stride
     (:func:`tma_ok`), positive extents, power-of-two boxes (:func:`check_tactics`).  Where the class is
     not the dataclass this expects (other required fields, slots), it is the class itself."""
-    if _FAST_DESC:
-        return _FAST_DESC[0]
     import dataclasses
 
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -709,7 +707,6 @@ def host_descriptor():
                 d = new(TensorDescriptor)
                 d.__dict__.update(defaults, base=base, shape=shape, strides=strides, block_shape=block_shape)
                 return d
-    _FAST_DESC.append(make)
     return make
 
 
@@ -729,7 +726,7 @@ def gemm_runtime_args(t: dict, a, w, out, prefix=None, shared=None, *, num_sms: 
         return g, (a, w, pf, sh, out, M, N, a.stride(0), a.stride(1), w.stride(0), w.stride(1)) + tail
     assert t["variant"] == "tma"  # TMA's alignment rules: the caller's tma_ok, and TensorDescriptor's own checks
     if checked:
-        make = _FAST_DESC[0] if _FAST_DESC else host_descriptor()
+        make = host_descriptor()
     else:
         from triton.tools.tensor_descriptor import TensorDescriptor as make
     a_desc = make(a, [M, K], [a.stride(0), 1], [t["block_m"], BLOCK_K.value])

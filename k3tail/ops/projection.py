@@ -77,17 +77,13 @@ def default_tactics(*, interpret: bool) -> dict:
     """``project``'s tactics before tuning: ``{bucket: tactic}`` (``k3tail tune`` records them as the
     sweep's start)."""
     out = {}
-    for key, top in BUCKETS:
-        t = G.default_tactics(top if top is not None else 1 << 30)
+    for key, top in (*BUCKETS, (CHAIN_KEY, None)):  # the chain's tile: large M, as the last bucket
+        t = (dict(G.CHAIN_CANDIDATES[G.CHAIN_DEFAULT][0]) if key == CHAIN_KEY
+             else G.default_tactics(top if top is not None else 1 << 30))
         if interpret:  # few, large programs on the pointer variant
             t.update(variant="ptr", block_m=min(256, max(16, top or 256)), block_n=256, swap_ab=False,
                      persistent=False, flatten=False, warp_spec=False, epi_split=1, stages=1)
         out[key] = t
-    t = dict(G.CHAIN_CANDIDATES[G.CHAIN_DEFAULT][0])
-    if interpret:
-        t.update(variant="ptr", block_m=256, block_n=256, swap_ab=False, persistent=False, flatten=False,
-                 warp_spec=False, epi_split=1, stages=1)
-    out[CHAIN_KEY] = t
     return out
 
 
