@@ -26,6 +26,11 @@ Variants (the edit, on the copy):
            rs sum + re-arm, arrival counter, normalize), so the loopback's per-item cost is split by a
            measurement, not by removing a stage
   fp32sum  the rank-order sum of the routed slots in fp32 (``numerics.rank_sum64``)
+  tilesum  a candidate fix, not an ablation: ``rank_sum64`` loads the W rows as one tile (one burst of
+           vector loads) and adds them in rank order, each row picked out by a masked sum (one value
+           plus zeros: the same bits); today each row's add waits for its load before the next load
+           issues (bench/results/issue29/rank_sum_tile.patch is the same change for the package; timed
+           slower in call 11)
   normfirst a candidate fix: the normalizing program loads the sum rows and gamma of up to 4 slices
            before their stores (sm_90 SASS, Triton 3.6: the plain loop, unrolled by LLVM, still issues
            each slice's loads after the last slice's store: one round trip per slice)
