@@ -203,17 +203,20 @@ def _bucket_candidates(full: bool) -> Dict[str, list]:
     from k3tail.ops.projection import BUCKETS, CHAIN_KEY, fast_chain_above
     from k3tail.triton_kernels import gemm as G
 
+    ws = G.warp_spec_supported()
+
+    def pick(table: dict, keep) -> list:  # the candidates of ``table`` that ``keep`` (timed M), runnable here
+        names = [n for n, (t, ms) in table.items() if keep(ms) and (ws or not t["warp_spec"])]
+        return [dict(table[n][0]) for n in (names if full else names[:4])]
+
     out: Dict[str, list] = {}
     lo = 0
     for key, top in BUCKETS:
         hi = top if top is not None else 1 << 30
-        names = [n for n, (t, ms) in G.CANDIDATES.items() if any(lo < m <= hi for m in ms)
-                 and (G.warp_spec_supported() or not t["warp_spec"])]
-        out[key] = [dict(G.CANDIDATES[n][0]) for n in (names if full else names[:4])]
+        out[key] = pick(G.CANDIDATES, lambda ms, lo=lo, hi=hi: any(lo < m <= hi for m in ms))
         lo = hi
     if fast_chain_above(False) is not None:
-        names = [n for n, (t, _) in G.CHAIN_CANDIDATES.items() if G.warp_spec_supported() or not t["warp_spec"]]
-        out[CHAIN_KEY] = [dict(G.CHAIN_CANDIDATES[n][0]) for n in (names if full else names[:4])]
+        out[CHAIN_KEY] = pick(G.CHAIN_CANDIDATES, lambda ms: True)
     return out
 
 
