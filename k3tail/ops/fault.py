@@ -33,25 +33,39 @@ _ABORT = L.kernel(abort_kernel)
 _SEQ_BITS, _M_BITS = 17, 14
 
 
-def layer_salt(layer_id: int) -> int:
-    """A 31-bit pseudo-random salt of a layer id (a murmur3 finalizer): tags of two layers differ
-    unless their (sequence, M) parts happen to differ by exactly the salts' difference (2^-31)."""
-    x = (int(layer_id) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+def _mix(v: int, offset: int) -> int:
+    """A 31-bit pseudo-random hash of ``v`` (a murmur3 finalizer of ``v * golden + offset``); 0 for v = 0.
+    Two offsets give two independent hash functions (two domains)."""
+    x = (int(v) * 0x9E3779B1 + offset) & 0xFFFFFFFF
     x ^= x >> 16
     x = (x * 0x85EBCA6B) & 0xFFFFFFFF
     x ^= x >> 13
     x = (x * 0xC2B2AE35) & 0xFFFFFFFF
     x ^= x >> 16
-    return x & 0x7FFFFFFF if layer_id else 0
+    return x & 0x7FFFFFFF if v else 0
+
+
+def layer_salt(layer_id: int) -> int:
+    """A 31-bit pseudo-random salt of a layer id (a murmur3 finalizer): tags of two layers differ
+    unless their (sequence, M) parts happen to differ by exactly the salts' difference (2^-31)."""
+    return _mix(layer_id, 0x7F4A7C15)
+
+
+def _high_m_salt(high: int) -> int:
+    """The salt of M's bits above the tag's 14 (M >= 2^14): a hash of its own domain, not
+    :func:`layer_salt`.  With one function for both, layer X at high part k1 and layer Y at high part
+    k2 got equal tags whenever X = k2 and Y = k1 (the XORs cancel), so two different calls could pair
+    on a kind whose only pairing check is the tag.  0 for M < 2^14 (those tags are unchanged)."""
+    return _mix(high, 0x2545F491)
 
 
 def call_tag(seq: int, M: int, salt: int = 0) -> int:
     """``(((seq mod 2^17) << 14) | (M mod 2^14)) ^ salt``, a non-negative int32 (never the 32-bit
     sentinel 0x80000000).  Two calls of the same layer get equal tags only if their sequence numbers
-    differ by a multiple of 2^17 and their M by a multiple of 2^14; calls of two layers (salts) only
-    by a 2^-31 coincidence."""
+    differ by a multiple of 2^17 and their M by a multiple of 2^14 (then M's bits above 14 are salted
+    too: :func:`_high_m_salt`); calls of two layers (salts) only by a 2^-31 coincidence."""
     base = ((int(seq) & ((1 << _SEQ_BITS) - 1)) << _M_BITS) | (int(M) & ((1 << _M_BITS) - 1))
-    return (base ^ int(salt) ^ layer_salt(int(M) >> _M_BITS)) & 0x7FFFFFFF
+    return (base ^ int(salt) ^ _high_m_salt(int(M) >> _M_BITS)) & 0x7FFFFFFF
 
 
 class CallCounter:
