@@ -71,7 +71,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import json
 import logging
+import math
 import threading
 import time
 import weakref
@@ -92,7 +94,7 @@ from k3tail.ops.multimem import MultimemStage
 from k3tail.ops.prefill import shard_bounds
 from k3tail.ops.projection import Projector, fast_chain_above
 from k3tail.ops.tail import LatentTail
-from k3tail.runtime.checks import check_routed, check_tensor
+from k3tail.runtime.checks import check_real, check_routed, check_tensor
 from k3tail.runtime.comm import DEFAULT_TIMEOUT_S, SoloComm, comm_for, current_deadline, host_deadline
 from k3tail.runtime.loopback import LoopbackGroup, group_identity
 from k3tail.runtime.modes import env_flag, interpret_mode, warm_only, warm_only_active
@@ -109,13 +111,20 @@ TUNED_OPS = ("LatentTail", "LaneAllReduce", "project")
 # --------------------------------------------------------------- process-wide logging
 _log_lock = threading.Lock()
 _logged: set = set()
+_LOGGED_MAX = 1 << 16
 
 
 def _log_once(key, level: int, msg: str, *args) -> None:
+    """Log ``msg`` the first time ``key`` comes, at ``level``.  Nothing is kept while the level is off
+    (a key per layer, M and tier would otherwise grow the set without bound in prefill), and at most
+    ``_LOGGED_MAX`` keys are kept while it is on (then each further key logs, once per call)."""
+    if not log.isEnabledFor(level):
+        return
     with _log_lock:
         if key in _logged:
             return
-        _logged.add(key)
+        if len(_logged) < _LOGGED_MAX:
+            _logged.add(key)
     log.log(level, msg, *args)
 
 
@@ -181,7 +190,9 @@ class _GroupCalls:
 
     def register(self, op) -> None:
         """Bind ``op``'s workspace to the group's fault block (W > 1) and re-arm it on recovery (a
-        world of one too: its ops' local fault blocks hold an index fault until ``k3tail.reset``)."""
+        world of one too: its ops' local fault blocks hold an index fault until ``k3tail.reset``).
+        ``op``: anything with ``ws`` and ``rearm()``, held weakly (a pooled workspace set lives as
+        long as its pool, so it is re-armed even after every module that used it is gone)."""
         ws = getattr(op, "ws", None)
         if ws is None:
             return
@@ -292,6 +303,29 @@ def reset(group=None, *, device=None, timeout_s: Optional[float] = None) -> None
             _recover(g, [s.get(dev, {"faulted": False, "headers": 0}) for s in states], retire=False)
 
 
+# The arguments every rank must build a layer with (DESIGN §9): the config's shapes and numerics and the
+# construction's protocol choices.  The capacities (max_tokens, tail_max_tokens, lane_max_tokens) and
+# batch_invariant may differ: the vote agrees them.  timeout_s and warmup are each rank's own.
+_AGREED_CONFIG = ("hidden", "latent", "top_k", "eps", "routed_scale", "dtype", "shard_up_proj")
+
+
+def _agree_arguments(comm, prefix: str, cfg: TailConfig, **construction) -> None:
+    """One host rendezvous of a construction: every rank's arguments that must be the same, compared;
+    where they differ, every rank raises the same :class:`k3tail.PeerMismatch` naming the fields and
+    each rank's value (a rank with another ``eps`` or ``dtype`` would otherwise compute another sum,
+    silently, or wait for a collective its peers never start)."""
+    canon = lambda v: json.dumps(v, sort_keys=True, default=repr)  # noqa: E731  (dicts in any key order)
+    mine = {**{f"config.{k}": canon(getattr(cfg, k)) for k in _AGREED_CONFIG},
+            **{k: canon(v) for k, v in construction.items()}}
+    rows = comm.exchange("construction arguments", mine)
+    diff = [k for k in mine if len({r.get(k) for r in rows}) > 1]
+    if diff:
+        text = "the ranks' arguments differ: " + "; ".join(
+            f"{k} (" + ", ".join(f"rank {r}: {row.get(k)}" for r, row in enumerate(rows)) + ")" for k in diff)
+        raise PeerMismatch(f"K3MoETail {prefix!r} construction", comm.rank, comm.world_size, layer=prefix,
+                           phase=current_deadline().label("construction arguments"), text=text)
+
+
 # ----------------------------------------------------------------------- the module
 _handles: Dict[int, "weakref.ReferenceType[K3MoETail]"] = {}
 _handle_ids = itertools.count(1)
@@ -336,7 +370,8 @@ class K3MoETail(nn.Module):
         # every host rendezvous of the construction ends by timeout_s (+ comm.SLACK_S) on every rank alike;
         # a rank that raises before or between them (an argument only it rejects, its own ValueError)
         # abandons its next rendezvous, so its peers raise there at once and every rank stays in step
-        t = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else DEFAULT_TIMEOUT_S
+        t = (float(timeout_s) if isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf
+             else DEFAULT_TIMEOUT_S)  # (a bad value is _construct's ValueError, inside this deadline)
         with host_deadline(self.comm, t, what=f"K3MoETail {prefix!r} construction",
                            layer=prefix if isinstance(prefix, str) else None):
             self._construct(config, group, prefix, device, lane_max_tokens, large_m, exchange, tactics_table,
@@ -352,17 +387,27 @@ class K3MoETail(nn.Module):
         config.validate()
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix must be a non-empty str (the layer's weight prefix), got {prefix!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        check_real("timeout_s", timeout_s, low=0, low_open=True, what="number of seconds")
+        if isinstance(pool_depth, bool) or not isinstance(pool_depth, int) or pool_depth < 1:
+            raise ValueError(f"pool_depth must be a positive int, got {pool_depth!r}")
+        if tactics is not None and not isinstance(tactics, dict):
+            raise ValueError(f"tactics must be None or a dict {{op: tactic dict}}, got {type(tactics).__name__}")
+        for op, t in (tactics or {}).items():
+            if t is not None and not isinstance(t, dict):
+                raise ValueError(f"tactics[{op!r}] must be a dict of that op's tactic keys, got {type(t).__name__}")
+        if tactics_table is not None and not isinstance(tactics_table, tuning.TacticTable):
+            raise ValueError(f"tactics_table must be None or a k3tail.tuning.TacticTable (load a file with "
+                             f"k3tail.tuning.load_table), got {type(tactics_table).__name__}")
         lane_cap = DEFAULT_LANE_MAX_TOKENS if lane_max_tokens is None else lane_max_tokens
         if not isinstance(lane_cap, int) or isinstance(lane_cap, bool) or lane_cap < 0:
             raise ValueError(f"lane_max_tokens must be a non-negative int, got {lane_max_tokens!r}")
         if large_m not in LARGE_M_PATHS:
             raise ValueError(f"large_m must be one of {list(LARGE_M_PATHS)}, got {large_m!r}")
-        tactics = dict(tactics or {})
+        tactics = {op: t for op, t in (tactics or {}).items() if t is not None}
         unknown = set(tactics) - set(TUNED_OPS)
         if unknown:
             raise ValueError(f"tactics has unknown ops {sorted(unknown)} (known: {', '.join(TUNED_OPS)})")
+        Projector(tactics.get("project"))  # its keys and values, here: before any rendezvous (ValueError)
         cfg = self.config = dataclasses.replace(config)
         self.prefix, self.timeout_s, self.large_m = prefix, float(timeout_s), large_m
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -379,6 +424,8 @@ class K3MoETail(nn.Module):
             states = self.comm.exchange("start", g.state())
             if _needs_recovery(states):
                 _recover(g, states, retire=True)
+            _agree_arguments(self.comm, prefix, cfg, large_m=large_m, exchange=exchange, pool_depth=pool_depth,
+                             tactics=tactics)
         old = g.layers.get(prefix)
         if old is not None and old() is not None and not old()._retired:
             raise ValueError(f"prefix {prefix!r}: a live K3MoETail with this prefix already exists in this group "
@@ -447,6 +494,11 @@ class K3MoETail(nn.Module):
                                         latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
                                         routed_scale=cfg.routed_scale, dtype=cfg.dtype, device=self.device,
                                         pdl=bool(agreed["pdl"]))
+        except PeerFault as e:
+            if e.phase is None:
+                raise K3TailError(f"K3MoETail {prefix!r}: rank {self.rank} of {W} failed inside the collective "
+                                  f"allocations ({e})") from e
+            raise  # a rendezvous fault: every rank raises it at the same rendezvous, so they stay in step
         except Exception as e:
             raise K3TailError(f"K3MoETail {prefix!r}: rank {self.rank} of {W} failed inside the collective "
                               f"allocations after the vote agreed them ({type(e).__name__}: {e}); this is "
@@ -456,7 +508,10 @@ class K3MoETail(nn.Module):
         if self.device.type == "cuda" and kind == "group":
             ctx.side_stream = torch.cuda.Stream(device=self.device)
         ctx.status = torch.zeros(1, dtype=torch.int32, device=self.device)
-        for op in (ctx.tail, ctx.lane, ctx.solo, *ctx.coll.workspaces_ops()):
+        # TAIL_FUSION registers its pooled workspace set, not the op: the pool keeps the set (and hands it to
+        # the next module of this key) after the op is gone, so recovery must re-arm it whoever holds it
+        for op in (ctx.tail.slot_set if ctx.tail is not None else None, ctx.lane, ctx.solo,
+                   *ctx.coll.workspaces_ops()):
             if op is not None:
                 g.register(op)
         if kind == "group":
@@ -476,15 +531,17 @@ class K3MoETail(nn.Module):
         _handles[self._handle] = weakref.ref(self)
 
     # ------------------------------------------------------------------ public API
-    def tier_for(self, num_tokens: int, graph_phase: bool) -> Tier:
-        """The tier a call with ``num_tokens`` rows takes (same on every rank)."""
+    def tier_for(self, num_tokens: int, graph_phase: Optional[bool]) -> Tier:
+        """The tier a call with ``num_tokens`` rows takes (same on every rank); ``graph_phase`` as in
+        :meth:`forward` (None: whether this device's current stream is capturing now)."""
         return self.plan_for(num_tokens, graph_phase).tier
 
-    def plan_for(self, num_tokens: int, graph_phase: bool, tier=None) -> Plan:
-        """The plan (tier and path) of a call with ``num_tokens`` rows; ``tier`` forces a tier
-        (TierUnavailable when it cannot serve that call here)."""
+    def plan_for(self, num_tokens: int, graph_phase: Optional[bool], tier=None) -> Plan:
+        """The plan (tier and path) of a call with ``num_tokens`` rows; ``graph_phase`` as in
+        :meth:`tier_for`; ``tier`` forces a tier (TierUnavailable when it cannot serve that call here)."""
         if tier is None:
-            return select_plan(num_tokens=num_tokens, graph_phase=_flag("graph_phase", graph_phase), caps=self.caps)
+            gp = _capturing(self.device) if graph_phase is None else _flag("graph_phase", graph_phase)
+            return select_plan(num_tokens=num_tokens, graph_phase=gp, caps=self.caps)
         tier = Tier.parse(tier)
         reason = self.why_not(tier, num_tokens)
         if reason is not None:

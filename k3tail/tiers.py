@@ -259,9 +259,12 @@ def select_plan(*, num_tokens: int, graph_phase: bool, caps: TailCaps) -> Plan:
 
     Pure: depends only on its (rank-uniform) arguments.
     """
-    m = int(num_tokens)
-    if m < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if isinstance(num_tokens, bool) or not hasattr(num_tokens, "__index__") or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    m = num_tokens.__index__()
+    if not (isinstance(graph_phase, bool) or (isinstance(graph_phase, int) and graph_phase in (0, 1))):
+        raise ValueError(f"graph_phase must be True or False, got {graph_phase!r} (a truthy string must not "
+                         f"select a tier)")
     if not isinstance(caps, TailCaps):
         raise ValueError(f"caps must be a TailCaps, got {type(caps).__name__}")
     if graph_phase and 1 <= m <= caps.cute_max_tokens:

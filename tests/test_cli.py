@@ -646,6 +646,7 @@ def test_bad_values_are_argparse_errors(capsys, argv, what):
 
 @pytest.mark.parametrize("argv, what", [
     (("demo", "--processes"), "add --device cuda"),
+    (("demo", "-M", "1", "100000"), "at most 8192 tokens"),  # (was: every rank built for 100000 rows, OOM-killed)
     (("doctor", "--hidden", "100"), "multiples of 8"),      # TailConfig.validate, as a usage error
     (("doctor", "--top-k", "65"), "top_k"),
     (("bench", "--tiers", "FAST"), "unknown tier"),

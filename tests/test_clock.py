@@ -23,3 +23,32 @@ def test_process_using_the_clock_exits_cleanly():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (r.returncode, r.stderr[-500:])
         assert "terminate called" not in r.stderr
+
+
+def test_forked_child_clock_advances():
+    """A child forked after the page started gets its own refreshing thread (a frozen page would let
+    a wait for an absent peer spin past its deadline forever)."""
+    import multiprocessing as mp
+
+    from k3tail.runtime.clock import clock_page
+
+    clock_page()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_reads_clock, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    a, b = q.get(timeout=5)
+    assert b - a >= 20_000_000, f"the child's clock page moved {b - a} ns in 50 ms"
+
+
+def _child_reads_clock(q):
+    import time
+
+    from k3tail.runtime.clock import clock_page
+
+    page = clock_page()
+    a = int(page[0])
+    time.sleep(0.05)
+    q.put((a, int(page[0])))

@@ -48,6 +48,9 @@ def test_resolve_device_rules(monkeypatch):
     assert resolve_device(gloo) == torch.device("cpu")  # a CPU group: the CPU, not a CUDA guess
     assert resolve_device(gloo, "cpu") == torch.device("cpu")
     assert resolve_device(gloo, torch.device("cpu")) == torch.device("cpu")
+    for name in ("cpu:0", torch.device("cpu", 0)):  # the one CPU device, as the tensors' device compares
+        dev = resolve_device(gloo, name)
+        assert dev == torch.device("cpu") and dev == torch.zeros(1, device=name).device, dev
     nccl = object.__new__(DistComm)
     nccl.backend = "nccl"
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -389,6 +389,125 @@ def test_duplicate_prefix_raises_and_released():
     assert b.prefix == "dup.layers.1"
 
 
+def _pool_rearm_body(rank, W):
+    import gc
+
+    cfg = k3tail.TailConfig(max_tokens=4, **SHAPE)
+    make = lambda layer: k3tail.K3MoETail(cfg, prefix=f"pool.layers.{layer}", timeout_s=TIMEOUT,  # noqa: E731
+                                          tactics=CPU_TACTICS)
+    a, b = make(0), make(1)
+    st = a.context.tail.slot_set
+    lay = st.ws.local, st.layout
+    a(graph_phase=True, **_inputs(SHAPE, 3, W, rank, seed=1))
+    # what a call cut short after kernel A leaves in the set: peers' shards of another call in the mailbox
+    # (kernel C carries no tag, so only re-arming the set keeps them from pairing with a later call)
+    mb = lay[0][lay[1]["mb_off"]:lay[1]["pad_off"]].view(torch.int16)
+    junk = torch.randint(-32767, 32767, mb.shape, dtype=torch.int16, generator=T.gen(7 + rank))
+    mb.copy_(junk)
+    del a  # the module that used the set is gone; the pool keeps the set for the next module of its key
+    gc.collect()
+    try:  # a fault of the group (layer 1): an index out of range on rank 1
+        b(graph_phase=True, **_inputs(SHAPE, 3, W, rank, seed=2, bad_index=rank == 1))
+        fault = None
+    except k3tail.K3TailError as e:
+        fault = type(e).__name__
+    c = make(0)  # the rebuild: recovers the group first (a rank saw a fault), then takes the pooled set
+    same = c.context.tail.slot_set is st
+    armed = bool((mb == -32768).all())  # the mailbox's armed state: the 16-bit sentinel everywhere
+    y = c(graph_phase=True, **_inputs(SHAPE, 3, W, rank, seed=3))
+    return dict(fault=fault, same=same, armed=armed, y=y)
+
+
+def test_recovery_rearms_a_pooled_set_whose_modules_are_gone_cpu():
+    """DESIGN §9, "a poisoned pool slot is never handed to a new module": a TAIL_FUSION workspace set
+    outlives its module (the pool hands it to the next module of its key), so the group's recovery
+    re-arms it even when no live module holds it.  W = 2 processes: layer 0's set gets another call's
+    leftovers in its mailbox, layer 0's module is dropped, layer 1 faults, layer 0 is rebuilt: it
+    gets the same set, armed, and its first call is exact and equal on both ranks."""
+    W = 2
+    res = k3tail.spawn(W, _pool_rearm_body, device="cpu", timeout=240)
+    for r in range(W):
+        assert res[r]["fault"] is not None, res[r]
+        assert res[r]["same"], "the rebuilt module did not get the pooled set (the test tests nothing)"
+        assert res[r]["armed"], f"rank {r}: the pooled set was handed out with another call's leftovers"
+    assert torch.equal(res[0]["y"].view(torch.int16), res[1]["y"].view(torch.int16))
+    st = T.check_tail(res[0]["y"], **_reference(SHAPE, 3, W, seed=3))
+    print(f"\npooled set re-armed; first call after the rebuild: {st}")
+
+
+# (field, rank 1's value): construction arguments the ranks must agree (k3tail.module._agree_arguments)
+_DIFFER = (("config.eps", dict(config=dict(eps=1.0))), ("config.routed_scale", dict(config=dict(routed_scale=2.0))),
+           ("config.dtype", dict(config=dict(dtype=torch.float16))),
+           ("config.shard_up_proj", dict(config=dict(shard_up_proj=False))),
+           ("config.hidden", dict(config=dict(hidden=72))), ("pool_depth", dict(pool_depth=3)),
+           ("large_m", dict(large_m="allreduce")), ("tactics", dict(tactics={"project": {"m16": {"warps": 8}}})))
+# rank 1's argument that only it rejects (a ValueError before any rendezvous of the construction)
+_REJECT = (("pool_depth", dict(pool_depth=0)), ("tactics", dict(tactics={"project": {"bogus": 1}})),
+           ("timeout_s", dict(timeout_s=float("inf"))), ("timeout_s", dict(timeout_s=True)),
+           ("tactics", dict(tactics=[1])), ("tactics_table", dict(tactics_table="table.json")))
+_CASES = [("differ", f, o) for f, o in _DIFFER] + [("reject", f, o) for f, o in _REJECT] + [("alloc", "", {})]
+
+
+def _agree_body(rank, W):
+    base = dict(max_tokens=4, **SHAPE)
+
+    def make(over=None):
+        kw = dict(prefix="agree.layers.0", timeout_s=TIMEOUT, tactics=CPU_TACTICS)
+        over = dict(over or {})
+        cfg = k3tail.TailConfig(**{**base, **over.pop("config", {})})
+        return k3tail.K3MoETail(cfg, **{**kw, **over})
+
+    out = []
+    for what, field, over in _CASES:
+        t0 = time.monotonic()
+        try:
+            if what == "alloc" and rank == 1:  # rank 1 fails inside the collective allocations, once
+                real = k3tail.module.LatentTail
+
+                def failing(*a, **k):
+                    k3tail.module.LatentTail = real
+                    raise RuntimeError("injected: out of memory")
+                k3tail.module.LatentTail = failing
+            make(over if rank == 1 else None)
+            got = "built"
+        except (ValueError, k3tail.K3TailError) as e:
+            got = f"{type(e).__name__}: {e}"
+        out.append((what, field, got, time.monotonic() - t0))
+        mod = make()  # the same valid construction on every rank right after: it must build on every rank
+        y = mod(graph_phase=True, **_inputs(SHAPE, 3, W, rank, seed=len(out)))
+        out.append(("valid", field, y, 0.0))
+        del mod
+    return out
+
+
+def test_construction_arguments_agree_or_fail_on_every_rank_cpu():
+    """A layer built with other arguments on one rank (another eps, dtype, hidden, shard_up_proj,
+    pool_depth, large_m, tactics) fails on every rank at once with a PeerMismatch naming the field and
+    every rank's value, instead of computing another sum or waiting for a collective its peers never
+    start; an argument only one rank rejects, or a failure inside one rank's allocations, fails on every
+    rank too; and after any of them, the same valid
+    construction builds on every rank and its first call is exact (the ranks stayed in step)."""
+    W = 2
+    res = k3tail.spawn(W, _agree_body, device="cpu", timeout=300)
+    for i, (what, field, _) in enumerate(_CASES):
+        got = [res[r][2 * i][2] for r in range(W)]
+        for r in range(W):
+            assert got[r] != "built", f"{what} {field}: rank {r} built a module"
+            assert res[r][2 * i][3] < TIMEOUT + 5.0, f"{what} {field}: rank {r} took {res[r][2 * i][3]:.1f} s"
+        if what == "differ":
+            for r in range(W):
+                assert got[r].startswith("PeerMismatch") and f"{field} (rank 0: " in got[r], got[r]
+        elif what == "reject":  # the rejecting rank names the argument; its peer learns that rank 1 failed
+            assert got[1].startswith("ValueError") and field in got[1], got[1]
+            assert got[0].startswith("Peer") and "rank 1" in got[0], got[0]
+        else:  # rank 1 failed inside the allocations: its own error, and its peer learns it
+            assert got[1].startswith("K3TailError") and "injected" in got[1], got[1]
+            assert got[0].startswith("Peer") and "rank 1" in got[0], got[0]
+        ys = [res[r][2 * i + 1][2] for r in range(W)]
+        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), f"after {what} {field}"
+        T.check_tail(ys[0], **_reference(SHAPE, 3, W, seed=2 * i + 1))
+
+
 def test_config_rejects_what_kernels_cannot_serve():
     for kw, what in ((dict(top_k=100), "top_k"), (dict(tail_max_tokens=32), "tail_max_tokens"),
                      (dict(hidden=100), "hidden"), (dict(latent=12), "latent"), (dict(dtype=torch.float32), "dtype"),

@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy
 import pytest
 
 from k3tail import TailCaps, Tier, select_tier
@@ -80,3 +81,12 @@ def test_bad_arguments():
         select_tier(num_tokens=1, graph_phase=False, caps={"fused_ar": True})
     with pytest.raises(TypeError):
         select_tier(1, False, TailCaps())  # keyword-only
+    caps = TailCaps(fused_ar=True, tail_fusion_max_tokens=16)
+    for bad in ("no", "False", 2, None, 1.0):  # a truthy string must not select the graph-phase tier
+        with pytest.raises(ValueError, match="graph_phase"):
+            select_tier(num_tokens=1, graph_phase=bad, caps=caps)
+    for bad in (1.7, "3", True, None):
+        with pytest.raises(ValueError, match="num_tokens"):
+            select_tier(num_tokens=bad, graph_phase=False, caps=caps)
+    assert select_tier(num_tokens=1, graph_phase=1, caps=caps) == select_tier(num_tokens=1, graph_phase=True, caps=caps)
+    assert select_tier(num_tokens=numpy.int64(3), graph_phase=True, caps=caps) == Tier.TAIL_FUSION

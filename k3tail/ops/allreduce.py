@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from k3tail.config import ACT_DTYPES
 from k3tail.runtime import launch as L
-from k3tail.runtime.checks import check_tensor
+from k3tail.runtime.checks import check_real, check_tensor
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
 from k3tail.ops.fault import CallCounter, count_own_call
@@ -50,8 +50,7 @@ class OneShotAllReduce:
             raise ValueError(f"width must be a positive multiple of 8, got {width!r}")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        check_real("timeout_s", timeout_s, low=0, low_open=True, what="number of seconds")
         self.group = group
         self.comm = None if group is None and not dist.is_initialized() else comm_for(group)
         self.rank = self.comm.rank if self.comm is not None else 0

@@ -15,7 +15,7 @@ from k3tail.triton_kernels.exchange import CTRL_EPOCH, barrier_kernel, gather_co
 from k3tail.runtime.comm import comm_for, host_deadline
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.workspace import create_workspace, resolve_device
-from k3tail.runtime.checks import check_tensor
+from k3tail.runtime.checks import check_real, check_tensor
 from k3tail.ops.fault import CallCounter, count_own_call
 
 _AREA_ALIGN = 256
@@ -73,8 +73,7 @@ class PeerExchange:
                 raise ValueError(f"area names must be non-empty strings, got {name!r}")
             if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
                 raise ValueError(f"area {name!r}: size must be a positive int (bytes), got {size!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        check_real("timeout_s", timeout_s, low=0, low_open=True, what="number of seconds")
         self.group, self.comm = group, comm_for(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.timeout_s = float(timeout_s)

@@ -25,6 +25,7 @@ of two shapes, chosen from M alone (so every rank chooses alike):
 
 from __future__ import annotations
 
+
 from typing import Optional
 
 import torch
@@ -34,7 +35,7 @@ from k3tail.config import ACT_DTYPES, DEFAULT_EPS, MAX_TOP_K
 from k3tail.numerics import f32
 from k3tail.runtime import launch as L
 from k3tail.ops.fault import CallCounter, count_own_call
-from k3tail.runtime.checks import check_routed, check_tensor, routed_rows
+from k3tail.runtime.checks import check_real, check_routed, check_tensor, routed_rows
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.modes import interpret_mode
 from k3tail.runtime.workspace import create_workspace, local_workspace, resolve_device
@@ -61,12 +62,9 @@ class _FusedBase:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
             raise ValueError(f"top_k must be an int in 1..{MAX_TOP_K} or None, got {top_k!r}")
-        if not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-        if not isinstance(routed_scale, (int, float)):
-            raise ValueError(f"routed_scale must be a float, got {routed_scale!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        check_real("eps", eps, low=0)
+        check_real("routed_scale", routed_scale)
+        check_real("timeout_s", timeout_s, low=0, low_open=True, what="number of seconds")
         tactics = dict(tactics or {})
         unknown = set(tactics) - set(TACTIC_KEYS)
         if unknown:

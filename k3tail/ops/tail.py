@@ -34,12 +34,15 @@ must construct their LatentTails (and any other op on the same group) in the sam
 so the pools and the collective allocations agree.
 
 After a fault (issue 20) a set is never handed out poisoned: the recovery (``k3tail.reset``, or a
-``K3MoETail`` built on a faulted group) re-arms every set of the group's modules in place on every
-rank between two barriers (:meth:`LatentTail.rearm`), so the pool's decisions never change and
-stay rank-uniform (a rank that dropped a slot alone would allocate where its peers do not).
+``K3MoETail`` built on a faulted group) re-arms every set a module of the group ever took, in place,
+on every rank between two barriers (:meth:`_Set.rearm`; ``K3MoETail`` registers the set, which its
+pool keeps, not the op, so a set whose modules are all gone is re-armed too before the pool hands it
+to the next module of its key), so the pool's decisions never change and stay rank-uniform (a rank
+that dropped a slot alone would allocate where its peers do not).
 """
 
 from __future__ import annotations
+
 
 import threading
 from dataclasses import dataclass, field
@@ -51,7 +54,7 @@ import torch.distributed as dist
 from k3tail.config import ACT_DTYPES, DEFAULT_EPS
 from k3tail.numerics import f32
 from k3tail.runtime import launch as L
-from k3tail.runtime.checks import check_routed, check_tensor
+from k3tail.runtime.checks import check_real, check_routed, check_tensor
 from k3tail.runtime.comm import comm_for
 from k3tail.runtime.loopback import group_identity
 from k3tail.runtime.modes import interpret_mode
@@ -338,10 +341,9 @@ class LatentTail:
             raise ValueError(f"key must be a non-empty str (the layer's module prefix), got {key!r}")
         if not isinstance(pool_depth, int) or pool_depth < 1:
             raise ValueError(f"pool_depth must be a positive int, got {pool_depth}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+        check_real("timeout_s", timeout_s, low=0, low_open=True, what="number of seconds")
+        check_real("eps", eps, low=0)
+        check_real("routed_scale", routed_scale)
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         if group is None and not dist.is_initialized():

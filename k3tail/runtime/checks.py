@@ -4,17 +4,30 @@ is written.  One validator per input contract:
 * :func:`check_tensor` -- dtype, device, rank, shape, contiguity, 16-byte alignment;
 * :func:`check_routed` -- the routed-expert input, materialized ``routed [M, width]`` or the
   deferred finalize triple ``(expert_out [R, width], expert_weights [M, K], expanded_idx [M, K])``;
-* :func:`check_indices` -- ``expanded_idx`` within ``[-1, R)``.
+* :func:`check_indices` -- ``expanded_idx`` within ``[-1, R)``;
+* :func:`check_real` -- a scalar argument: a finite real number (not a bool) in a range.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from k3tail.config import MAX_TOP_K, WEIGHT_DTYPES
 from k3tail.runtime.modes import env_flag
+
+
+def check_real(name: str, v, *, low: float = -math.inf, low_open: bool = False, what: str = "float") -> float:
+    """``v`` as a float: a finite int or float (not a bool, not a string) ``>= low`` (``> low`` with
+    ``low_open``); else ValueError naming ``name``."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) \
+        and (v > low if low_open else v >= low)
+    if not ok:
+        bound = "" if low == -math.inf else f" {'>' if low_open else '>='} {low:g}"
+        raise ValueError(f"{name} must be a finite {what}{bound}, got {v!r}")
+    return float(v)
 
 
 def check_tensor(name: str, t, *, dtype=None, dtypes=None, device: Optional[torch.device] = None,

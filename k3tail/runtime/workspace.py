@@ -97,6 +97,8 @@ def resolve_device(comm: Optional[Comm], device=None) -> torch.device:
                 raise ValueError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices here")
         elif dev.type != "cpu":
             raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+        else:  # "cpu:0" names the one CPU device, but compares unequal to the tensors' torch.device("cpu")
+            dev = torch.device("cpu")
         if isinstance(comm, LoopbackGroup) and dev != comm.world.device:
             raise ValueError(f"device={dev}: a loopback group's tensors live on its world's device "
                              f"{comm.world.device}")

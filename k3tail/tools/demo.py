@@ -41,6 +41,7 @@ from k3tail.tools.options import UsageError, positive_int
 
 K3 = dict(hidden=7168, latent=3584, top_k=16)
 SMALL = dict(hidden=512, latent=256, top_k=4)
+MAX_TOKENS = 8192  # the largest --tokens value (TailConfig().max_tokens: K3's prefill batch)
 QUICK = dict(world_size=2, tokens=[1, 16, 80])  # TAIL_FUSION and the lane at 1 and 16, the sharded path at 80
 CPU_TACTICS = {}  # (the interpreter runs the projection GEMM with large tiles)
 EPS = 1e-5
@@ -364,6 +365,9 @@ def main(args) -> int:
         args.small, args.world_size, args.tokens = True, QUICK["world_size"], list(QUICK["tokens"])
     shape = SMALL if args.small else K3
     W, tokens = args.world_size, list(dict.fromkeys(args.tokens))
+    if max(tokens) > MAX_TOKENS:
+        raise UsageError(f"--tokens: at most {MAX_TOKENS} tokens a call (TailConfig's default max_tokens; every "
+                         f"rank holds inputs and workspaces for the largest M), got {max(tokens)}")
     if args.processes and args.device != "cuda":
         raise UsageError("--processes runs the ranks as processes on the GPU(s); add --device cuda "
                          "(CPU ranks always run as processes)")
