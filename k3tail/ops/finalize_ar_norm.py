@@ -25,7 +25,6 @@ of two shapes, chosen from M alone (so every rank chooses alike):
 
 from __future__ import annotations
 
-
 from typing import Optional
 
 import torch

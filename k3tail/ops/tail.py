@@ -43,7 +43,6 @@ that dropped a slot alone would allocate where its peers do not).
 
 from __future__ import annotations
 
-
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -339,8 +338,8 @@ class LatentTail:
             raise ValueError(f"top_k must be a positive int or None, got {top_k}")
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty str (the layer's module prefix), got {key!r}")
-        if not isinstance(pool_depth, int) or pool_depth < 1:
-            raise ValueError(f"pool_depth must be a positive int, got {pool_depth}")
+        if isinstance(pool_depth, bool) or not isinstance(pool_depth, int) or pool_depth < 1:
+            raise ValueError(f"pool_depth must be a positive int, got {pool_depth!r}")
         check_real("timeout_s", timeout_s, low=0, low_open=True, what="number of seconds")
         check_real("eps", eps, low=0)
         check_real("routed_scale", routed_scale)
