@@ -29,7 +29,9 @@ never share a set when ``pool_depth >= 2``; two keys share a set only if their
 registration indices differ by a multiple of ``pool_depth``.  Sharing a set is correct
 for any call order in which every call completes (the single-stage chain argument holds
 per call), but must not be used by layers that run back to back (see the kernel
-docstring: another library's PDL kernel between them may not ``gdc_wait``).  All ranks
+docstring: another library's PDL kernel between them may not ``gdc_wait``).  Across decode steps
+the slots wrap: the last of L keys and the first share a set back to back when ``pool_depth``
+divides ``L - 1`` (README, "The pool wraps across decode steps").  All ranks
 must construct their LatentTails (and any other op on the same group) in the same order,
 so the pools and the collective allocations agree.
 
