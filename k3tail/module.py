@@ -800,10 +800,16 @@ class K3MoETail(nn.Module):
         return late
 
     def _refused(self) -> WorkspacePoisoned:
+        """The error of a call after this rank raised a fault of the group: it carries the first fault's
+        reason, failing rank and detector (``e.reason`` is why the group failed, not "timeout")."""
         f = self._group.fault
         first = f"{type(f).__name__}" + (f" in layer {f.layer!r}" if getattr(f, "layer", None) else "")
+        pf = f if isinstance(f, PeerFault) else None
         return WorkspacePoisoned("K3MoETail", self.rank, self.world_size, 0.0, layer=self.prefix,
-                                 text=f"fails at once: an earlier call of this group failed ({first})")
+                                 reason=pf.reason if pf is not None else "poisoned",
+                                 failing_rank=pf.failing_rank if pf is not None else None,
+                                 detected_by=pf.detected_by if pf is not None else None,
+                                 text=f"an earlier call of this group failed: {first}")
 
     def _reject(self, e: Exception, M, plan) -> Exception:
         """This rank rejects its inputs: tell the peers (the group header with ok = 0, the fault word

@@ -116,7 +116,8 @@ def _call(mod, tier, M, W, rank, seed, bad_index=False):
     except k3tail.K3TailError as e:
         return {"ok": False, "cls": type(e).__name__, "msg": str(e), "t": time.monotonic() - t0, "M": M,
                 "seed": seed, "layer": getattr(e, "layer", None), "tier": getattr(e, "tier", None),
-                "failing": getattr(e, "failing_rank", None), "value_error": isinstance(e, ValueError)}
+                "failing": getattr(e, "failing_rank", None), "reason": getattr(e, "reason", None),
+                "value_error": isinstance(e, ValueError)}
 
 
 def _scenario(st: _Rank, sc: dict) -> dict:
@@ -252,6 +253,11 @@ def _check(per_rank, scenarios, W):
                 c = rows[r]["calls"][1]
                 if r != sc["victim"] and c.get("ok") is False and c["failing"] != sc["victim"]:
                     failures.append(f"{what}: rank {r} names failing rank {c['failing']}: {c['msg']}")
+                for i, c in enumerate(rows[r]["calls"][2:3], 2):  # a later call refused: the first fault's cause
+                    if c.get("ok") is False and c["cls"] == "WorkspacePoisoned" and (
+                            c["failing"] != sc["victim"] or c["reason"] not in ("rejected", "index")):
+                        failures.append(f"{what}: rank {r} call {i}: refused naming failing rank {c['failing']}, "
+                                        f"reason {c['reason']}: {c['msg']}")
     assert not failures, "\n".join(failures)
 
 
