@@ -99,8 +99,8 @@ from k3tail.runtime.comm import DEFAULT_TIMEOUT_S, SoloComm, comm_for, current_d
 from k3tail.runtime.loopback import LoopbackGroup, group_identity
 from k3tail.runtime.modes import env_flag, interpret_mode, warm_only, warm_only_active
 from k3tail.runtime.workspace import Workspace, create_workspace, resolve_device
-from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, caps_summary, decide,
-                          plan_for, select_plan, why_not)
+from k3tail.tiers import (BODIES, LARGE_M_PATHS, Plan, TailCaps, TailInputs, Tier, TierContext, as_flag, caps_summary,
+                          decide, plan_for, select_plan, why_not)
 from k3tail.vote import local_probes, run_vote
 
 log = logging.getLogger("k3tail")
@@ -494,12 +494,9 @@ class K3MoETail(nn.Module):
                                         latent=cfg.latent, top_k=cfg.top_k, eps=cfg.eps,
                                         routed_scale=cfg.routed_scale, dtype=cfg.dtype, device=self.device,
                                         pdl=bool(agreed["pdl"]))
-        except PeerFault as e:
-            if e.phase is None:
-                raise K3TailError(f"K3MoETail {prefix!r}: rank {self.rank} of {W} failed inside the collective "
-                                  f"allocations ({e})") from e
-            raise  # a rendezvous fault: every rank raises it at the same rendezvous, so they stay in step
         except Exception as e:
+            if isinstance(e, PeerFault) and e.phase is not None:
+                raise  # a rendezvous fault: every rank raises it at the same rendezvous, so they stay in step
             raise K3TailError(f"K3MoETail {prefix!r}: rank {self.rank} of {W} failed inside the collective "
                               f"allocations after the vote agreed them ({type(e).__name__}: {e}); this is "
                               f"fatal on purpose: falling back alone would strand the other ranks") from e
@@ -540,7 +537,7 @@ class K3MoETail(nn.Module):
         """The plan (tier and path) of a call with ``num_tokens`` rows; ``graph_phase`` as in
         :meth:`tier_for`; ``tier`` forces a tier (TierUnavailable when it cannot serve that call here)."""
         if tier is None:
-            gp = _capturing(self.device) if graph_phase is None else _flag("graph_phase", graph_phase)
+            gp = _capturing(self.device) if graph_phase is None else as_flag("graph_phase", graph_phase, none_ok=True)
             return select_plan(num_tokens=num_tokens, graph_phase=gp, caps=self.caps)
         tier = Tier.parse(tier)
         reason = self.why_not(tier, num_tokens)
@@ -617,7 +614,7 @@ class K3MoETail(nn.Module):
         (TAIL_FUSION and CUTE_FINALIZE engage only in the graph phase; under the interpreter there is
         no graph, and ``graph_phase=True`` runs TAIL_FUSION eagerly, which is how CPU tests reach it);
         ``tier``: force a tier (a Tier, its name or value)."""
-        gp = -1 if graph_phase is None else int(_flag("graph_phase", graph_phase))
+        gp = -1 if graph_phase is None else int(as_flag("graph_phase", graph_phase, none_ok=True))
         tr = -1 if tier is None else int(Tier.parse(tier))
         if torch.compiler.is_compiling():
             return torch.ops.k3tail.moe_tail(self._handle, prefix_hidden, shared, norm_weight, up_weight,
@@ -804,11 +801,9 @@ class K3MoETail(nn.Module):
         reason, failing rank and detector (``e.reason`` is why the group failed, not "timeout")."""
         f = self._group.fault
         first = f"{type(f).__name__}" + (f" in layer {f.layer!r}" if getattr(f, "layer", None) else "")
-        pf = f if isinstance(f, PeerFault) else None
         return WorkspacePoisoned("K3MoETail", self.rank, self.world_size, 0.0, layer=self.prefix,
-                                 reason=pf.reason if pf is not None else "poisoned",
-                                 failing_rank=pf.failing_rank if pf is not None else None,
-                                 detected_by=pf.detected_by if pf is not None else None,
+                                 reason=getattr(f, "reason", "poisoned"), failing_rank=getattr(f, "failing_rank", None),
+                                 detected_by=getattr(f, "detected_by", None),
                                  text=f"an earlier call of this group failed: {first}")
 
     def _reject(self, e: Exception, M, plan) -> Exception:
@@ -891,16 +886,6 @@ def _lean(t, dtype, device, shape) -> bool:
     alignment on CUDA, no autograd.  False sends the call to the full checks, which name the problem."""
     return (type(t) is torch.Tensor and t.dtype is dtype and t.device == device and t.shape == shape
             and t.is_contiguous() and not t.requires_grad and (not t.is_cuda or t.data_ptr() % 16 == 0))
-
-
-def _flag(name: str, value) -> bool:
-    """A bool argument: True/False (or 0/1); anything else is a ValueError naming it (a truthy
-    string such as "no" must not silently select a tier)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{name} must be True, False or None, got {value!r}")
 
 
 # -------------------------------------------------------------- torch.compile custom op

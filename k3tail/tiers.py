@@ -244,6 +244,17 @@ def _lane_path(m: int, caps: TailCaps) -> Optional[str]:
     return caps.large_m or None
 
 
+def as_flag(name: str, value, *, none_ok: bool = False) -> bool:
+    """A bool argument: True/False (or 1/0); anything else is a ValueError naming it (a truthy
+    string such as "no" must not silently select a tier).  ``none_ok``: the caller takes None
+    itself (before calling), and the message says so."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be True, False{' or None' if none_ok else ''} (or 1 / 0), got {value!r}")
+
+
 def select_plan(*, num_tokens: int, graph_phase: bool, caps: TailCaps) -> Plan:
     """The plan of one call, in this order:
 
@@ -262,9 +273,7 @@ def select_plan(*, num_tokens: int, graph_phase: bool, caps: TailCaps) -> Plan:
     if isinstance(num_tokens, bool) or not hasattr(num_tokens, "__index__") or num_tokens < 0:
         raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     m = num_tokens.__index__()
-    if not (isinstance(graph_phase, bool) or (isinstance(graph_phase, int) and graph_phase in (0, 1))):
-        raise ValueError(f"graph_phase must be True or False, got {graph_phase!r} (a truthy string must not "
-                         f"select a tier)")
+    graph_phase = as_flag("graph_phase", graph_phase)
     if not isinstance(caps, TailCaps):
         raise ValueError(f"caps must be a TailCaps, got {type(caps).__name__}")
     if graph_phase and 1 <= m <= caps.cute_max_tokens:
